@@ -1,0 +1,69 @@
+"""Prometheus metrics: counters the relay bumps, gauges read from the status snapshot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..limiter import ProviderStatus
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], list[ProviderStatus]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        gauges = {
+            "in_flight": GaugeMetricFamily("slotproxy_in_flight", "Slots held, including those in release cooldown", labels=["provider"]),
+            "queued": GaugeMetricFamily("slotproxy_queued", "Requests waiting for a slot", labels=["provider"]),
+            "limit": GaugeMetricFamily("slotproxy_limit", "Effective concurrency limit (NaN when unlimited)", labels=["provider"]),
+            "paused": GaugeMetricFamily("slotproxy_paused", "1 while the provider's queue is paused after a backoff", labels=["provider"]),
+        }
+        reductions = CounterMetricFamily("slotproxy_auto_reductions", "Limit reductions after upstream backoffs", labels=["provider"])
+        reclaims = CounterMetricFamily("slotproxy_watchdog_reclaims", "Slots reclaimed after slot_timeout", labels=["provider"])
+        for status in self._snapshot():
+            labels = [status.provider]
+            gauges["in_flight"].add_metric(labels, status.in_flight)
+            gauges["queued"].add_metric(labels, status.queued)
+            gauges["limit"].add_metric(labels, float("nan") if status.limit is None else status.limit)
+            gauges["paused"].add_metric(labels, 1 if status.paused else 0)
+            reductions.add_metric(labels, status.counters.get("auto_reductions", 0))
+            reclaims.add_metric(labels, status.counters.get("reclaims", 0))
+        yield from gauges.values()
+        yield reductions
+        yield reclaims
+
+
+class Metrics:
+    """One registry per proxy instance, so several proxies in one process never collide."""
+
+    def __init__(self, snapshot: Callable[[], list[ProviderStatus]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter(
+            "slotproxy_requests", "Requests answered, by the status the client received",
+            ["provider", "status"], registry=self.registry,
+        )
+        self.queue_wait = Histogram(
+            "slotproxy_queue_wait_seconds", "Time requests waited for a slot",
+            ["provider"], buckets=_WAIT_BUCKETS, registry=self.registry,
+        )
+        self.backoffs = Counter(
+            "slotproxy_upstream_backoff", "Upstream backoff answers (429, 529, in-stream rate-limit errors)",
+            ["provider", "status"], registry=self.registry,
+        )
+        self.invalid_headers = Counter(
+            "slotproxy_invalid_priority_headers", "Priority headers with an invalid value (default used)",
+            ["header"], registry=self.registry,
+        )
+        self.registry.register(_SnapshotCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,42 @@
+"""Status, health and metrics routes under /_slotproxy/, /healthz, /readyz and /metrics."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..relay import STATE
+from .metrics import CONTENT_TYPE
+
+__all__ = ["add_routes"]
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].status())
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    reasons = []
+    if state.shutting_down:
+        reasons.append("shutting down")
+    if not state.backend.ready():
+        reasons.append("backend unreachable")
+    if reasons:
+        return web.json_response({"ready": False, "reasons": reasons}, status=503)
+    return web.json_response({"ready": True})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/_slotproxy/status", status)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)

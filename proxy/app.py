@@ -1,0 +1,220 @@
+"""The aiohttp application: shared state, routes, middleware, and the server's lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .admin import routes as admin_routes
+from .admin.metrics import Metrics
+from .backends import Backend, MemoryBackend
+from .config import Config, ProviderSettings
+from .errors import BadRequest, ProxyError, UnknownProvider
+from .headers import PriorityHeaders
+from .limiter import Lease, LimiterSettings
+from .relay import PROVIDER, STATE, error_response, proxy_handler
+
+__all__ = ["ProxyState", "build_app", "limiter_settings", "start_server"]
+
+log = logging.getLogger("slotproxy")
+
+_SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+
+
+def limiter_settings(settings: ProviderSettings) -> LimiterSettings:
+    return LimiterSettings(
+        limit=settings.limit,
+        release_cooldown=settings.release_cooldown,
+        default_pause=settings.default_pause,
+        slot_timeout=settings.slot_timeout,
+        queue_timeout=settings.queue_timeout,
+        max_queue=settings.max_queue,
+        recovery_after=settings.recovery.after if settings.recovery is not None else None,
+    )
+
+
+class ProxyState:
+    """Everything a running proxy shares across requests; the config is swapped whole on reload."""
+
+    def __init__(self, config: Config, *, config_path: str | None = None, backend: Backend | None = None) -> None:
+        self.config_path = config_path
+        self.config_error: str | None = None
+        self.backend: Backend = backend or MemoryBackend()
+        self.metrics = Metrics(self.backend.statistics)
+        self.shutting_down = False
+        self.active_requests = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._sessions: dict[bool, aiohttp.ClientSession] = {}
+        self._timeouts: dict[tuple[float, float], aiohttp.ClientTimeout] = {}
+        self.apply(config)
+
+    def apply(self, config: Config) -> None:
+        """Swap in a validated config; the backend keeps everything queued and in flight."""
+        providers = {name: config.provider(name) for name in config.provider_names()}
+        self._auth = {name: _auth_header(settings) for name, settings in providers.items()}
+        self.priority_headers = PriorityHeaders(
+            workspace=config.headers.workspace,
+            starred=config.headers.starred,
+            prompt_started_at=config.headers.prompt_started_at,
+            conversation=config.headers.conversation,
+        )
+        self.backend.configure(
+            {name: limiter_settings(settings) for name, settings in providers.items()},
+            frozenset(config.workspaces.starred),
+        )
+        self._providers = providers
+        self.config = config
+        self.loaded_at = time.time()
+
+    def request_started(self) -> None:
+        self.active_requests += 1
+        self.idle.clear()
+
+    def request_finished(self) -> None:
+        self.active_requests -= 1
+        if self.active_requests == 0:
+            self.idle.set()
+
+    def provider(self, name: str) -> ProviderSettings | None:
+        return self._providers.get(name)
+
+    def provider_names(self) -> list[str]:
+        return list(self._providers)
+
+    def provider_auth(self, settings: ProviderSettings) -> tuple[str, str] | None:
+        return self._auth.get(settings.name)
+
+    def session_for(self, settings: ProviderSettings) -> aiohttp.ClientSession:
+        """One pooled session per TLS policy, shared by every upstream that uses it."""
+        session = self._sessions.get(settings.tls_verify)
+        if session is None or session.closed:
+            connector = aiohttp.TCPConnector(limit=0, ssl=None if settings.tls_verify else False, ttl_dns_cache=300)
+            session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=_SKIP_AUTO_HEADERS,
+                trust_env=False,
+            )
+            self._sessions[settings.tls_verify] = session
+        return session
+
+    def client_timeout(self, settings: ProviderSettings) -> aiohttp.ClientTimeout:
+        key = (settings.connect_timeout, settings.idle_timeout)
+        timeout = self._timeouts.get(key)
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(
+                total=None, connect=settings.connect_timeout, sock_read=settings.idle_timeout
+            )
+            self._timeouts[key] = timeout
+        return timeout
+
+    def observe_grant(self, provider: str, lease: Lease) -> None:
+        self.metrics.queue_wait.labels(provider).observe(lease.queue_wait)
+        if lease.queue_wait >= self.config.logging.slow_grant:
+            log.info(
+                "provider=%s granted a slot after %.1fs in the queue (workspace=%s conversation=%s)",
+                provider, lease.queue_wait, lease.priority.workspace, lease.priority.conversation or "-",
+            )
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "providers": [status.to_dict() for status in self.backend.statistics()],
+            "config": {
+                "path": self.config_path,
+                "loaded_at": int(self.loaded_at * 1000),
+                "error": self.config_error,
+            },
+        }
+
+    async def close(self) -> None:
+        for session in self._sessions.values():
+            await session.close()
+        self._sessions.clear()
+        await self.backend.close()
+
+
+def _auth_header(settings: ProviderSettings) -> tuple[str, str] | None:
+    if not settings.api_key_env:
+        return None
+    key = os.environ.get(settings.api_key_env, "")
+    if not key:
+        return None
+    if settings.auth == "x-api-key":
+        return ("x-api-key", key)
+    return ("Authorization", f"Bearer {key}")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_ERROR_CODES = {404: UnknownProvider, 400: BadRequest}
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse what a proxy must never do, render proxy errors, and count answers."""
+    if request.method == "CONNECT":
+        return _method_not_allowed("CONNECT is not supported: slotproxy is not a forward proxy")
+    if not request.raw_path.startswith("/"):
+        return error_response(BadRequest("absolute-form request targets are refused: slotproxy is not an open proxy"))
+    state = request.app[STATE]
+    try:
+        response = await handler(request)
+    except ProxyError as exc:
+        response = error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status in _ERROR_CODES and not request.path.startswith("/_slotproxy/"):
+            response = error_response(_ERROR_CODES[exc.status](exc.reason))
+        else:
+            raise
+    except asyncio.CancelledError:
+        _count(request, state, "499")
+        raise
+    _count(request, state, str(response.status))
+    return response
+
+
+def _count(request: web.Request, state: ProxyState, status: str) -> None:
+    provider = request.get(PROVIDER)
+    if provider is not None:
+        state.metrics.requests.labels(provider, status).inc()
+
+
+def _method_not_allowed(message: str) -> web.Response:
+    error = BadRequest(message)
+    response = web.json_response(error.body(), status=405)
+    return response
+
+
+def build_app(state: ProxyState) -> web.Application:
+    app = web.Application(middlewares=[_guard], client_max_size=state.config.server.max_body + 1)
+    app[STATE] = state
+    admin_routes.add_routes(app)
+    app.router.add_route("*", "/{provider}", proxy_handler)
+    app.router.add_route("*", "/{provider}/{rest:.*}", proxy_handler)
+
+    async def close_state(_: web.Application) -> None:
+        await state.close()
+
+    app.on_cleanup.append(close_state)
+    return app
+
+
+async def start_server(state: ProxyState, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner and the bound port (port 0 picks a free one)."""
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    server = site._server
+    bound = port
+    if server is not None and getattr(server, "sockets", None):
+        bound = server.sockets[0].getsockname()[1]
+    return runner, bound

@@ -1,0 +1,46 @@
+"""The backend interface the relay and the admin API talk to."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+from ..errors import ProxyError
+from ..limiter import Lease, LimiterSettings, Priority, ProviderStatus
+
+__all__ = ["Backend"]
+
+
+class Backend(Protocol):
+    def configure(self, providers: Mapping[str, LimiterSettings], starred: frozenset[str]) -> None:
+        """Apply a (re)loaded config: add, update and retire providers; nothing in flight is dropped."""
+
+    def has_provider(self, name: str) -> bool: ...
+
+    def next_arrival(self, provider: str) -> int: ...
+
+    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> Lease:
+        """Wait for a slot. Raises QueueFull or QueueTimeout; cancelling the caller leaves the queue."""
+
+    def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float) -> None: ...
+
+    def set_limit(self, provider: str, limit: int | None) -> None: ...
+
+    def set_cooldown(self, provider: str, seconds: float) -> None: ...
+
+    def set_starred(self, starred: frozenset[str]) -> None: ...
+
+    def starred(self) -> frozenset[str]: ...
+
+    def statistics(self) -> list[ProviderStatus]: ...
+
+    def provider_status(self, provider: str) -> ProviderStatus: ...
+
+    def shed_queues(self, error: ProxyError) -> int:
+        """Reject every waiter with ``error`` (graceful shutdown)."""
+
+    def in_flight(self) -> int: ...
+
+    def ready(self) -> bool: ...
+
+    async def close(self) -> None: ...

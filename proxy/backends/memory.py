@@ -1,0 +1,123 @@
+"""The memory backend: one process, the limiter core driven by the asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+
+from ..errors import ProxyError, UnknownProvider
+from ..limiter import Clock, Lease, LimiterSettings, LoopClock, Priority, ProviderLimiter, ProviderStatus
+
+__all__ = ["MemoryBackend"]
+
+
+class MemoryBackend:
+    def __init__(self, clock: Clock | None = None) -> None:
+        self._clock = clock or LoopClock()
+        self._limiters: dict[str, ProviderLimiter] = {}
+        self._retired: dict[str, ProviderLimiter] = {}
+        self._starred: frozenset[str] = frozenset()
+        self.on_change: Callable[[], None] | None = None
+
+    def configure(self, providers: Mapping[str, LimiterSettings], starred: frozenset[str]) -> None:
+        for name in list(self._limiters):
+            if name not in providers:
+                self._retired[name] = self._limiters.pop(name)
+        for name, settings in providers.items():
+            limiter = self._limiters.get(name) or self._retired.pop(name, None)
+            if limiter is None:
+                limiter = ProviderLimiter(name, settings, self._clock, starred=starred)
+                limiter.on_change = self._changed
+            else:
+                limiter.apply_settings(settings)
+            self._limiters[name] = limiter
+        self.set_starred(starred)
+        self._drop_idle_retired()
+
+    def _drop_idle_retired(self) -> None:
+        for name, limiter in list(self._retired.items()):
+            if limiter.in_flight == 0 and limiter.queued == 0:
+                del self._retired[name]
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def limiter(self, provider: str) -> ProviderLimiter:
+        try:
+            return self._limiters[provider]
+        except KeyError:
+            raise UnknownProvider(f"unknown provider '{provider}'") from None
+
+    def has_provider(self, name: str) -> bool:
+        return name in self._limiters
+
+    def next_arrival(self, provider: str) -> int:
+        return self.limiter(provider).next_arrival()
+
+    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> Lease:
+        limiter = self.limiter(provider)
+        lease = limiter.try_acquire(priority, seq)
+        if lease is not None:
+            return lease
+        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+
+        def on_grant(lease: Lease) -> None:
+            if future.done():
+                lease.release()
+            else:
+                future.set_result(lease)
+
+        def on_reject(error: ProxyError) -> None:
+            if not future.done():
+                future.set_exception(error)
+
+        waiter = limiter.enqueue(priority, on_grant, on_reject, seq)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Cancellation point: the client left while queued. The grant may have
+            # landed in the same loop turn; then the slot is handed straight back.
+            if future.done() and not future.cancelled() and future.exception() is None:
+                future.result().release()
+            else:
+                limiter.cancel(waiter)
+            raise
+
+    def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float) -> None:
+        limiter = self._limiters.get(provider) or self._retired.get(provider)
+        if limiter is not None:
+            limiter.report_backoff(cause, wait, sent_at=sent_at)
+
+    def set_limit(self, provider: str, limit: int | None) -> None:
+        self.limiter(provider).set_limit(limit)
+
+    def set_cooldown(self, provider: str, seconds: float) -> None:
+        self.limiter(provider).set_cooldown(seconds)
+
+    def set_starred(self, starred: frozenset[str]) -> None:
+        self._starred = frozenset(starred)
+        for limiter in self._limiters.values():
+            limiter.set_starred(self._starred)
+
+    def starred(self) -> frozenset[str]:
+        return self._starred
+
+    def statistics(self) -> list[ProviderStatus]:
+        self._drop_idle_retired()
+        return [limiter.statistics() for limiter in self._limiters.values()]
+
+    def provider_status(self, provider: str) -> ProviderStatus:
+        return self.limiter(provider).statistics()
+
+    def shed_queues(self, error: ProxyError) -> int:
+        return sum(limiter.shed(error) for limiter in [*self._limiters.values(), *self._retired.values()])
+
+    def in_flight(self) -> int:
+        return sum(limiter.in_flight for limiter in [*self._limiters.values(), *self._retired.values()])
+
+    def ready(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        return None

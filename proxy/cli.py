@@ -1,0 +1,195 @@
+"""The ``slotproxy`` command line: serve, check, status, fake-upstream, schema."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import __version__
+from .config import Config, ConfigError, config_json_schema, load_config
+from .logs import setup_logging
+
+__all__ = ["main"]
+
+DEFAULT_CONFIG = "slotproxy.yaml"
+CONFIG_ENV = "SLOTPROXY_CONFIG"
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A problem to report in one line before exiting with status 2."""
+
+
+def find_config(explicit: str | None) -> Path:
+    """--config, else $SLOTPROXY_CONFIG, else ./slotproxy.yaml."""
+    if explicit:
+        path = Path(explicit)
+        if path.is_file():
+            return path
+        raise CliError(f"config file not found: {explicit} (given with --config)")
+    from_env = os.environ.get(CONFIG_ENV)
+    if from_env and Path(from_env).is_file():
+        return Path(from_env)
+    if Path(DEFAULT_CONFIG).is_file():
+        return Path(DEFAULT_CONFIG)
+    env_note = f"${CONFIG_ENV}={from_env} (missing)" if from_env else f"${CONFIG_ENV} (unset)"
+    raise CliError(
+        f"no config file found: tried --config (not given), {env_note}, ./{DEFAULT_CONFIG} (missing); "
+        "start from config.example.yaml"
+    )
+
+
+def _load(path: Path) -> Config:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise CliError(f"{path}: invalid config\n" + "\n".join(f"  {p}" for p in exc.problems)) from exc
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(config: Config, host: str) -> None:
+    """Refuse a non-loopback bind without an admin token, unless explicitly allowed."""
+    if _is_loopback(host) or config.admin.allow_unauthenticated:
+        return
+    if os.environ.get(config.admin.token_env):
+        return
+    raise CliError(
+        f"refusing to listen on {host} with no admin token: set {config.admin.token_env} "
+        "(SLOTPROXY_ADMIN_TOKEN by default), or set admin.allow_unauthenticated: true"
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import serve
+
+    path = find_config(args.config)
+    config = _load(path)
+    host = args.host or config.server.host
+    port = config.server.port if args.port is None else args.port
+    check_bind(config, host)
+    setup_logging(args.log_format, args.log_level)
+    return serve(config, str(path), host, port)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    path = find_config(args.config)
+    config = _load(path)
+    print(f"# {path}: valid")
+    print(yaml.safe_dump(config.masked(), sort_keys=False, allow_unicode=True), end="")
+    return 0
+
+
+def _fetch_status(url: str) -> dict[str, Any]:
+    target = url.rstrip("/") + "/_slotproxy/status"
+    try:
+        with urllib.request.urlopen(target, timeout=5) as response:
+            data: dict[str, Any] = json.load(response)
+            return data
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise CliError(f"cannot read status from {target}: {exc}") from exc
+
+
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def format_status(status: dict[str, Any]) -> str:
+    columns = ("provider", "limit", "configured_limit", "in_flight", "queued", "paused_until", "cooldown_ms")
+    headers = ("PROVIDER", "LIMIT", "CONFIGURED", "IN_FLIGHT", "QUEUED", "PAUSED_UNTIL", "COOLDOWN_MS")
+    rows = [headers] + [tuple(_cell(p.get(c)) for c in columns) for p in status.get("providers", [])]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(headers))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    for provider in status.get("providers", []):
+        if provider.get("notice"):
+            lines.append(f"! {provider['provider']}: {provider['notice']}")
+    config = status.get("config") or {}
+    if config.get("error"):
+        lines.append(f"! config: {config['error']}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _fetch_status(args.url)
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
+
+
+def cmd_fake_upstream(args: argparse.Namespace) -> int:
+    from . import fake_upstream
+
+    fake_upstream.run(port=args.port, cap=args.cap, chunks=args.chunks, delay_ms=args.delay_ms, lag_ms=args.lag_ms)
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(config_json_schema(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import fake_upstream
+
+    parser = argparse.ArgumentParser(prog="slotproxy", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"slotproxy {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the proxy")
+    serve.add_argument("--config", help=f"config file (else ${CONFIG_ENV}, else ./{DEFAULT_CONFIG})")
+    serve.add_argument("--host", help="listen address (overrides server.host)")
+    serve.add_argument("--port", type=int, help="listen port (overrides server.port)")
+    serve.add_argument("--log-format", choices=("text", "json"), default="text")
+    serve.add_argument("--log-level", default="INFO")
+    serve.set_defaults(func=cmd_serve)
+
+    check = commands.add_parser("check", help="validate a config and print the effective config")
+    check.add_argument("--config", help=f"config file (else ${CONFIG_ENV}, else ./{DEFAULT_CONFIG})")
+    check.set_defaults(func=cmd_check)
+
+    status = commands.add_parser("status", help="show the status of a running proxy")
+    status.add_argument("--url", default="http://127.0.0.1:8787")
+    status.add_argument("--json", action="store_true", help="print the raw JSON")
+    status.set_defaults(func=cmd_status)
+
+    fake = commands.add_parser("fake-upstream", help="run a mock capped LLM provider")
+    fake_upstream.add_arguments(fake)
+    fake.set_defaults(func=cmd_fake_upstream)
+
+    schema = commands.add_parser("schema", help="print the config's JSON Schema")
+    schema.set_defaults(func=cmd_schema)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except CliError as exc:
+        print(f"slotproxy: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

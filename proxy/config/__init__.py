@@ -1,0 +1,14 @@
+"""The config: a frozen, validated model loaded from YAML, and each provider's resolved settings."""
+
+from proxy.config.loader import load_config, parse_config
+from proxy.config.model import Config, ProviderSettings, config_json_schema
+from proxy.errors import ConfigError
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "ProviderSettings",
+    "config_json_schema",
+    "load_config",
+    "parse_config",
+]

@@ -1,0 +1,126 @@
+"""The slotproxy error tree.
+
+::
+
+    SlotproxyError                 base of everything slotproxy raises on purpose
+    ├── ConfigError                a config file (or a reload) is invalid; .problems lists each
+    │                              one as "key.path: what is wrong (line N)"
+    ├── StateError                 the runtime state file cannot be read or written
+    ├── AdminError                 an admin API body or id is wrong (carries an HTTP status)
+    └── ProxyError                 a request the proxy answers itself, in the OpenAI error shape
+        ├── QueueFull              503 queue_full: more than max_queue waiters
+        ├── QueueTimeout           503 queue_timeout: waited longer than queue_timeout
+        ├── ShuttingDown           503 shutting_down: SIGTERM grace period
+        ├── UnknownProvider        404 unknown_provider
+        ├── BodyTooLarge           413 body_too_large
+        ├── BadRequest             400 bad_request
+        ├── UpstreamUnreachable    502 upstream_unreachable
+        └── UpstreamTimeout        504 upstream_timeout
+
+Foreign errors (aiohttp, YAML, pydantic, Redis) are translated into these at one
+boundary each, with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AdminError",
+    "BadRequest",
+    "BodyTooLarge",
+    "ConfigError",
+    "Forbidden",
+    "ProxyError",
+    "QueueFull",
+    "QueueTimeout",
+    "ShuttingDown",
+    "SlotproxyError",
+    "StateError",
+    "UnknownProvider",
+    "UpstreamTimeout",
+    "UpstreamUnreachable",
+]
+
+
+class SlotproxyError(Exception):
+    """Base class of every error slotproxy raises on purpose."""
+
+
+class ConfigError(SlotproxyError):
+    """A config is invalid. ``problems`` holds one line per problem, each with its key path."""
+
+    def __init__(self, problems: list[str] | str, *, source: str | None = None) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(where + "; ".join(self.problems))
+
+
+class StateError(SlotproxyError):
+    """The state file could not be read or written."""
+
+
+class ProxyError(SlotproxyError):
+    """An answer the proxy makes itself, rendered in the OpenAI error shape."""
+
+    status: int = 500
+    code: str = "slotproxy_error"
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": "slotproxy_error", "code": self.code}}
+
+
+class QueueFull(ProxyError):
+    status, code = 503, "queue_full"
+
+
+class QueueTimeout(ProxyError):
+    status, code = 503, "queue_timeout"
+
+
+class ShuttingDown(ProxyError):
+    status, code = 503, "shutting_down"
+
+
+class UnknownProvider(ProxyError):
+    status, code = 404, "unknown_provider"
+
+
+class BodyTooLarge(ProxyError):
+    status, code = 413, "body_too_large"
+
+
+class BadRequest(ProxyError):
+    status, code = 400, "bad_request"
+
+
+class Forbidden(ProxyError):
+    """401 when a credential is missing, 403 when it is wrong."""
+
+    code = "forbidden"
+
+    def __init__(self, message: str, *, status: int = 403) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class UpstreamUnreachable(ProxyError):
+    status, code = 502, "upstream_unreachable"
+
+
+class UpstreamTimeout(ProxyError):
+    status, code = 504, "upstream_timeout"
+
+
+class AdminError(SlotproxyError):
+    """A bad admin API request; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, *, status: int = 400, code: str = "bad_request") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code

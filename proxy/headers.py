@@ -1,0 +1,158 @@
+"""Request and response headers: hop-by-hop filtering, priority headers, provider auth."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from multidict import CIMultiDict
+
+from .limiter import Priority
+
+__all__ = [
+    "HOP_BY_HOP",
+    "PriorityHeaders",
+    "forward_request_headers",
+    "forward_response_headers",
+    "parse_priority",
+]
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+})
+_NOT_FORWARDED_UP = HOP_BY_HOP | {"host", "content-length", "expect"}
+_NOT_RELAYED_DOWN = HOP_BY_HOP | {"content-length"}
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+_MAX_LABEL = 256
+_LABEL = re.compile(r"^[\x21-\x7e][\x20-\x7e]*$")
+_EPOCH_MS = re.compile(r"^\d{10,16}(\.\d+)?$")
+_EARLIEST = datetime(2000, 1, 1, tzinfo=timezone.utc).timestamp()
+_FUTURE_SLACK = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityHeaders:
+    """Header names, keyed as under the config's ``headers:`` section."""
+
+    workspace: str = "X-Workspace-Id"
+    starred: str = "X-Workspace-Starred"
+    prompt_started_at: str = "X-Prompt-Started-At"
+    conversation: str = "X-Conversation-Id"
+
+    def names(self) -> frozenset[str]:
+        return frozenset(n.lower() for n in (self.workspace, self.starred, self.prompt_started_at, self.conversation))
+
+
+def _label(value: str | None) -> str | None:
+    if value is None:
+        return None
+    value = value.strip()
+    if len(value) > _MAX_LABEL or not _LABEL.match(value):
+        raise ValueError(value)
+    return value
+
+
+def _starred(value: str | None) -> bool:
+    if value is None:
+        return False
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(value)
+
+
+def _prompt_started_at(value: str | None, now: float) -> float:
+    """Epoch milliseconds or RFC 3339, within [2000-01-01, now + 5 min]; else ValueError."""
+    if value is None:
+        return now
+    value = value.strip()
+    if _EPOCH_MS.match(value):
+        when = float(value) / 1000.0
+    else:
+        if len(value) > 64:
+            raise ValueError(value)
+        parsed = datetime.fromisoformat(value.replace("z", "Z"))
+        if parsed.tzinfo is None:
+            raise ValueError(value)
+        when = parsed.timestamp()
+    if not _EARLIEST <= when <= now + _FUTURE_SLACK:
+        raise ValueError(value)
+    return when
+
+
+def parse_priority(
+    headers: Mapping[str, str], names: PriorityHeaders, now: float
+) -> tuple[Priority, list[str]]:
+    """Read a request's priority; an invalid value falls back to its default.
+
+    Returns the priority and the config keys (``workspace``, ``starred``,
+    ``prompt_started_at``, ``conversation``) of the headers that were invalid.
+    """
+    invalid: list[str] = []
+    workspace, starred, started, conversation = "default", False, now, None
+    try:
+        workspace = _label(headers.get(names.workspace)) or "default"
+    except ValueError:
+        invalid.append("workspace")
+    try:
+        starred = _starred(headers.get(names.starred))
+    except ValueError:
+        invalid.append("starred")
+    try:
+        started = _prompt_started_at(headers.get(names.prompt_started_at), now)
+    except ValueError:
+        invalid.append("prompt_started_at")
+    try:
+        conversation = _label(headers.get(names.conversation))
+    except ValueError:
+        invalid.append("conversation")
+    return Priority(prompt_started_at=started, workspace=workspace, starred=starred, conversation=conversation), invalid
+
+
+def _connection_listed(headers: Mapping[str, str]) -> set[str]:
+    listed = headers.get("connection")
+    if not listed:
+        return set()
+    return {token.strip().lower() for token in listed.split(",") if token.strip()}
+
+
+def forward_request_headers(
+    incoming: Iterable[tuple[str, str]] | Mapping[str, str],
+    *,
+    strip: frozenset[str],
+    auth: tuple[str, str] | None,
+) -> CIMultiDict[str]:
+    """Headers to send upstream: hop-by-hop, Host and priority headers dropped; auth replaced.
+
+    ``strip`` holds lower-case names to drop (the priority headers). ``auth`` is
+    (header, value) of the provider key; when given, the client's own
+    Authorization and x-api-key are both removed first.
+    """
+    source = CIMultiDict(incoming)
+    drop = _NOT_FORWARDED_UP | strip | _connection_listed(source)
+    if auth is not None:
+        drop = drop | {"authorization", "x-api-key"}
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in source.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+    if auth is not None:
+        out[auth[0]] = auth[1]
+    return out
+
+
+def forward_response_headers(incoming: Mapping[str, str]) -> CIMultiDict[str]:
+    """Headers to relay to the client: everything but hop-by-hop (Content-Length is set separately)."""
+    source = CIMultiDict(incoming)
+    drop = _NOT_RELAYED_DOWN | _connection_listed(source)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in source.items():
+        if name.lower() not in drop:
+            out.add(name, value)
+    return out

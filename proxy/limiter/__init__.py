@@ -1,0 +1,32 @@
+"""The pure limiter core: no aiohttp, no I/O; time and timers come from an injected Clock."""
+
+from .clock import Clock, FakeClock, LoopClock, Timer
+from .provider import (
+    AdmissionGate,
+    Lease,
+    LimiterSettings,
+    ProviderLimiter,
+    ProviderStatus,
+    WaiterStatus,
+    auto_reduce_notice,
+    validate_limit,
+)
+from .queue import Priority, Waiter, WaiterQueue
+
+__all__ = [
+    "AdmissionGate",
+    "Clock",
+    "FakeClock",
+    "Lease",
+    "LimiterSettings",
+    "LoopClock",
+    "Priority",
+    "ProviderLimiter",
+    "ProviderStatus",
+    "Timer",
+    "Waiter",
+    "WaiterQueue",
+    "WaiterStatus",
+    "auto_reduce_notice",
+    "validate_limit",
+]

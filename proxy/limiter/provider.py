@@ -1,0 +1,531 @@
+"""One provider's limiter: slots, waiters, pause, auto-reduction, cooldown and watchdog.
+
+This is the pure core. It decides who gets a slot and when; it never awaits. The
+shell (a backend) parks callers on futures and passes ``on_grant`` callbacks in.
+Time comes from an injected :class:`~proxy.limiter.clock.Clock`, so every decision
+here can be replayed on fake time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..errors import ProxyError, QueueFull, QueueTimeout
+from .clock import Clock, Timer
+from .queue import Priority, Waiter, WaiterQueue
+
+__all__ = [
+    "AdmissionGate",
+    "Lease",
+    "LimiterSettings",
+    "ProviderLimiter",
+    "ProviderStatus",
+    "WaiterStatus",
+    "auto_reduce_notice",
+    "validate_limit",
+]
+
+log = logging.getLogger("slotproxy.limiter")
+
+
+def auto_reduce_notice(limit: int, cause: str) -> str:
+    return f"Concurrency limit auto-reduced to {limit} after a {cause} — restore manually when ready."
+
+
+def validate_limit(limit: object) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a positive integer or null, got {limit!r}")
+    return limit
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterSettings:
+    limit: int | None = None
+    release_cooldown: float = 0.0
+    default_pause: float = 30.0
+    slot_timeout: float | None = 900.0
+    queue_timeout: float | None = 600.0
+    max_queue: int = 10_000
+    recovery_after: float | None = None
+
+
+class AdmissionGate(Protocol):
+    """An extra admission condition beyond the limit (the usage gate)."""
+
+    def admits(self) -> bool:
+        """May one more request be admitted now?"""
+
+    def admitted(self) -> None:
+        """One request was just admitted."""
+
+
+class Lease:
+    """A held slot. ``release()`` may be called any number of times; only the first counts."""
+
+    __slots__ = ("_limiter", "granted_at", "on_reclaim", "priority", "queue_wait",
+                 "reclaimed", "released", "seq", "_watchdog")
+
+    def __init__(
+        self, limiter: ProviderLimiter, priority: Priority, seq: int, granted_at: float, queue_wait: float
+    ) -> None:
+        self._limiter = limiter
+        self.priority = priority
+        self.seq = seq
+        self.granted_at = granted_at
+        self.queue_wait = queue_wait
+        self.on_reclaim: Callable[[], None] | None = None
+        self.released = False
+        self.reclaimed = False
+        self._watchdog: Timer | None = None
+
+    def release(self) -> None:
+        self._limiter._release(self)
+
+
+@dataclass(frozen=True, slots=True)
+class WaiterStatus:
+    workspace: str
+    starred: bool
+    prompt_started_at: int
+    waited_ms: int
+    conversation: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderStatus:
+    """Everything observable about one provider, read from one snapshot."""
+
+    provider: str
+    limit: int | None
+    configured_limit: int | None
+    in_flight: int
+    queued: int
+    paused: bool
+    paused_until: int | None
+    cooldown_ms: int
+    auto_reduced: bool
+    auto_reduced_from: int | None
+    notice: str | None
+    queue: tuple[WaiterStatus, ...] = ()
+    counters: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "provider": self.provider,
+            "limit": self.limit,
+            "configured_limit": self.configured_limit,
+            "in_flight": self.in_flight,
+            "queued": self.queued,
+            "paused": self.paused,
+            "paused_until": self.paused_until,
+            "cooldown_ms": self.cooldown_ms,
+            "auto_reduced": self.auto_reduced,
+            "auto_reduced_from": self.auto_reduced_from,
+            "notice": self.notice,
+            "queue": [
+                {
+                    "workspace": w.workspace,
+                    "starred": w.starred,
+                    "prompt_started_at": w.prompt_started_at,
+                    "waited_ms": w.waited_ms,
+                    "conversation": w.conversation,
+                }
+                for w in self.queue
+            ],
+        }
+
+
+def _ms(seconds: float) -> int:
+    return int(round(seconds * 1000))
+
+
+class ProviderLimiter:
+    def __init__(
+        self,
+        name: str,
+        settings: LimiterSettings,
+        clock: Clock,
+        *,
+        starred: frozenset[str] = frozenset(),
+    ) -> None:
+        self.name = name
+        self._clock = clock
+        self._settings = settings
+        self._limit = validate_limit(settings.limit)
+        self._cooldown = settings.release_cooldown
+        self._starred = frozenset(starred)
+        self._queue = WaiterQueue()
+        self._arrivals = itertools.count()
+        self._held = 0
+        self._cooling = 0
+        self._paused_until: float | None = None
+        self._pause_timer: Timer | None = None
+        self._last_reduction_at = -math.inf
+        self._auto_reduced_from: int | None = None
+        self._notice: str | None = None
+        self._recovery_timer: Timer | None = None
+        self._dispatching = False
+        self.gate: AdmissionGate | None = None
+        self.on_change: Callable[[], None] | None = None
+        self.counters = {
+            "granted": 0,
+            "queue_full": 0,
+            "queue_timeouts": 0,
+            "reclaims": 0,
+            "backoffs": 0,
+            "auto_reductions": 0,
+        }
+
+    # ----- admission -------------------------------------------------------------
+
+    def next_arrival(self) -> int:
+        """An arrival number; a retried request keeps its first one, and so its place."""
+        return next(self._arrivals)
+
+    def try_acquire(self, priority: Priority, seq: int | None = None) -> Lease | None:
+        """The fast path: a slot now, or None when the caller must queue.
+
+        Nobody may overtake a waiter, so a non-empty queue always means None.
+        """
+        if len(self._queue) or not self._may_grant():
+            return None
+        return self._grant(priority, self.next_arrival() if seq is None else seq, queue_wait=0.0)
+
+    def enqueue(
+        self,
+        priority: Priority,
+        on_grant: Callable[[Lease], None],
+        on_reject: Callable[[ProxyError], None] | None = None,
+        seq: int | None = None,
+    ) -> Waiter:
+        """Queue a request; ``on_grant(lease)`` is called when its turn comes.
+
+        ``on_reject(error)`` is called instead if it times out (QueueTimeout) or
+        the queue is shed (shutdown). Raises QueueFull when ``max_queue``
+        waiters are already queued.
+        """
+        if len(self._queue) >= self._settings.max_queue:
+            self.counters["queue_full"] += 1
+            log.warning("provider=%s queue full (%d waiting): request refused", self.name, len(self._queue))
+            raise QueueFull(
+                f"slotproxy queue for provider '{self.name}' is full ({self._settings.max_queue} waiting); retry later",
+                retry_after=self._retry_after_hint(),
+            )
+        now = self._clock.time()
+        waiter = Waiter(
+            priority=priority,
+            seq=self.next_arrival() if seq is None else seq,
+            enqueued_at=now,
+            on_grant=on_grant,
+            on_reject=on_reject,
+            starred=priority.starred or priority.workspace in self._starred,
+        )
+        self._queue.push(waiter)
+        if self._settings.queue_timeout is not None:
+            waiter.timer = self._clock.call_later(self._settings.queue_timeout, lambda: self._expire(waiter))
+        self._dispatch()
+        return waiter
+
+    def cancel(self, waiter: Waiter) -> None:
+        """The waiter's client left: take it out of the queue; it is never granted."""
+        if self._queue.remove(waiter) and waiter.timer is not None:
+            waiter.timer.cancel()
+
+    def _expire(self, waiter: Waiter) -> None:
+        if not self._queue.remove(waiter):
+            return
+        self.counters["queue_timeouts"] += 1
+        log.warning(
+            "provider=%s request from workspace=%s timed out after %.1fs in the queue",
+            self.name, waiter.priority.workspace, self._clock.time() - waiter.enqueued_at,
+        )
+        if waiter.on_reject is not None:
+            waiter.on_reject(QueueTimeout(
+                f"waited longer than queue_timeout ({self._settings.queue_timeout:g}s) for a slot "
+                f"on provider '{self.name}'; retry later",
+                retry_after=self._retry_after_hint(),
+            ))
+
+    def shed(self, error: ProxyError) -> int:
+        """Reject every waiter (graceful shutdown); returns how many there were."""
+        count = 0
+        while (waiter := self._queue.pop()) is not None:
+            count += 1
+            if waiter.timer is not None:
+                waiter.timer.cancel()
+            if waiter.on_reject is not None:
+                waiter.on_reject(error)
+        return count
+
+    def _retry_after_hint(self) -> float:
+        if self._paused_until is not None:
+            return max(1.0, self._paused_until - self._clock.time())
+        return 1.0
+
+    # ----- granting --------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return self._held + self._cooling
+
+    @property
+    def limit(self) -> int | None:
+        return self._limit
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def paused(self) -> bool:
+        return self._paused_until is not None
+
+    def _may_grant(self) -> bool:
+        if self._paused_until is not None:
+            return False
+        if self._limit is not None and self.in_flight >= self._limit:
+            return False
+        return self.gate is None or self.gate.admits()
+
+    def _grant(self, priority: Priority, seq: int, queue_wait: float) -> Lease:
+        now = self._clock.time()
+        lease = Lease(self, priority, seq, granted_at=now, queue_wait=queue_wait)
+        self._held += 1
+        self.counters["granted"] += 1
+        if self.gate is not None:
+            self.gate.admitted()
+        if self._settings.slot_timeout is not None:
+            lease._watchdog = self._clock.call_later(self._settings.slot_timeout, lambda: self._reclaim(lease))
+        return lease
+
+    def _dispatch(self) -> None:
+        """Grant waiters in order while there is room.
+
+        A grant callback may release its lease at once (its client left in the
+        same instant); that re-enters here, so re-entry just returns and lets the
+        outer loop, which re-checks the room on every turn, carry on.
+        """
+        if self._dispatching:
+            return
+        self._dispatching = True
+        try:
+            while len(self._queue) and self._may_grant():
+                waiter = self._queue.pop()
+                if waiter is None:
+                    break
+                if waiter.timer is not None:
+                    waiter.timer.cancel()
+                lease = self._grant(waiter.priority, waiter.seq, queue_wait=self._clock.time() - waiter.enqueued_at)
+                waiter.on_grant(lease)
+        finally:
+            self._dispatching = False
+
+    # ----- releasing -------------------------------------------------------------
+
+    def _release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        if lease._watchdog is not None:
+            lease._watchdog.cancel()
+        self._free_slot()
+
+    def _reclaim(self, lease: Lease) -> None:
+        """The watchdog: a slot held past slot_timeout is taken back and its holder told to abort."""
+        if lease.released:
+            return
+        lease.released = lease.reclaimed = True
+        self.counters["reclaims"] += 1
+        log.warning(
+            "provider=%s watchdog reclaimed a slot held for %.1fs (slot_timeout) from workspace=%s",
+            self.name, self._clock.time() - lease.granted_at, lease.priority.workspace,
+        )
+        if lease.on_reclaim is not None:
+            lease.on_reclaim()
+        self._free_slot()
+
+    def _free_slot(self) -> None:
+        self._held -= 1
+        if self._cooldown > 0:
+            self._cooling += 1
+            self._clock.call_later(self._cooldown, self._end_cooldown)
+        else:
+            self._dispatch()
+
+    def _end_cooldown(self) -> None:
+        self._cooling -= 1
+        self._dispatch()
+
+    # ----- backoff ---------------------------------------------------------------
+
+    def report_backoff(self, cause: str, wait: float | None = None, *, sent_at: float | None = None) -> None:
+        """Upstream said "slow down": pause the queue and lower the limit once per burst.
+
+        ``sent_at`` is when the reporting request was granted. A request granted
+        before the latest reduction belongs to the burst that caused it, so its
+        429 extends the pause but does not lower the limit again.
+        """
+        now = self._clock.time()
+        pause = self._settings.default_pause if wait is None else max(0.0, wait)
+        self.counters["backoffs"] += 1
+        same_burst = self.paused() or (sent_at is not None and sent_at <= self._last_reduction_at)
+        self._pause_until(now + pause, cause)
+        if not same_burst:
+            self._last_reduction_at = now
+            self._auto_reduce(cause)
+        self._arm_recovery()
+        self._changed()
+
+    def _pause_until(self, until: float, cause: str) -> None:
+        if self._paused_until is not None and until <= self._paused_until:
+            return
+        if self._pause_timer is not None:
+            self._pause_timer.cancel()
+        self._paused_until = until
+        self._pause_timer = self._clock.call_later(until - self._clock.time(), self._end_pause)
+        log.warning("provider=%s paused for %.1fs after a %s", self.name, until - self._clock.time(), cause)
+
+    def _end_pause(self) -> None:
+        self._paused_until = None
+        self._pause_timer = None
+        log.info("provider=%s pause ended; %d waiting", self.name, len(self._queue))
+        self._dispatch()
+        self._changed()
+
+    def _auto_reduce(self, cause: str) -> None:
+        if self._limit is None or self._limit <= 1:
+            return
+        if self._auto_reduced_from is None:
+            self._auto_reduced_from = self._limit
+        self._limit -= 1
+        self._notice = auto_reduce_notice(self._limit, cause)
+        self.counters["auto_reductions"] += 1
+        log.warning("provider=%s %s", self.name, self._notice)
+
+    def _arm_recovery(self) -> None:
+        if self._recovery_timer is not None:
+            self._recovery_timer.cancel()
+            self._recovery_timer = None
+        if self._settings.recovery_after is not None and self._auto_reduced_from is not None:
+            self._recovery_timer = self._clock.call_later(self._settings.recovery_after, self._recover_step)
+
+    def _recover_step(self) -> None:
+        """recovery.after passed with no backoff: raise the limit one step toward its old value."""
+        self._recovery_timer = None
+        target = self._auto_reduced_from
+        if target is None or self._limit is None:
+            return
+        self._limit = min(target, self._limit + 1)
+        if self._limit >= target:
+            self._auto_reduced_from = None
+            self._notice = None
+            log.info("provider=%s limit recovered to %d; auto-reduction cleared", self.name, self._limit)
+        else:
+            self._notice = (
+                f"Concurrency limit auto-reduced, recovering: now {self._limit} of {target} "
+                f"after {self._settings.recovery_after:g}s without a backoff."
+            )
+            log.info("provider=%s limit recovering to %d of %d", self.name, self._limit, target)
+            self._arm_recovery()
+        self._dispatch()
+        self._changed()
+
+    # ----- control ---------------------------------------------------------------
+
+    def set_limit(self, limit: int | None) -> None:
+        """A manual limit (admin API or a YAML edit): applies at once and clears any auto-reduction."""
+        self._limit = validate_limit(limit)
+        self._auto_reduced_from = None
+        self._notice = None
+        self._arm_recovery()
+        self._dispatch()
+        self._changed()
+
+    def set_cooldown(self, seconds: float) -> None:
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise ValueError(f"cooldown must be a non-negative number of seconds, got {seconds!r}")
+        self._cooldown = seconds
+        self._changed()
+
+    def set_starred(self, workspaces: frozenset[str]) -> None:
+        """Change the starred set; waiters already queued move to their new place."""
+        if workspaces == self._starred:
+            return
+        self._starred = frozenset(workspaces)
+        self._queue.restar(self._starred)
+
+    def apply_settings(self, settings: LimiterSettings) -> None:
+        """A config reload. A changed YAML limit or cooldown counts as a manual change."""
+        old, self._settings = self._settings, settings
+        if settings.release_cooldown != old.release_cooldown:
+            self._cooldown = settings.release_cooldown
+        if settings.limit != old.limit:
+            self.set_limit(settings.limit)
+        else:
+            self._arm_recovery()
+            self._dispatch()
+
+    @property
+    def settings(self) -> LimiterSettings:
+        return self._settings
+
+    def export_state(self) -> dict[str, Any]:
+        return {
+            "limit": self._limit,
+            "configured_limit": self._settings.limit,
+            "auto_reduced_from": self._auto_reduced_from,
+            "notice": self._notice,
+            "cooldown": self._cooldown,
+        }
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Apply persisted runtime state (limit, auto-reduction mark and notice, cooldown)."""
+        self._limit = validate_limit(state.get("limit", self._limit))
+        self._auto_reduced_from = state.get("auto_reduced_from")
+        self._notice = state.get("notice")
+        if state.get("cooldown") is not None:
+            self._cooldown = float(state["cooldown"])
+        self._arm_recovery()
+        self._dispatch()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    # ----- observing -------------------------------------------------------------
+
+    def statistics(self, *, queue_detail: bool = True) -> ProviderStatus:
+        now = self._clock.time()
+        queue: tuple[WaiterStatus, ...] = ()
+        if queue_detail:
+            queue = tuple(
+                WaiterStatus(
+                    workspace=w.priority.workspace,
+                    starred=w.starred,
+                    prompt_started_at=_ms(w.priority.prompt_started_at),
+                    waited_ms=_ms(now - w.enqueued_at),
+                    conversation=w.priority.conversation,
+                )
+                for w in self._queue.in_order()
+            )
+        return ProviderStatus(
+            provider=self.name,
+            limit=self._limit,
+            configured_limit=self._settings.limit,
+            in_flight=self.in_flight,
+            queued=len(self._queue),
+            paused=self._paused_until is not None,
+            paused_until=None if self._paused_until is None else _ms(self._paused_until),
+            cooldown_ms=_ms(self._cooldown),
+            auto_reduced=self._auto_reduced_from is not None,
+            auto_reduced_from=self._auto_reduced_from,
+            notice=self._notice,
+            queue=queue,
+            counters=dict(self.counters),
+        )

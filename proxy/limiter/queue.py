@@ -1,0 +1,91 @@
+"""Waiters ordered by (starred, prompt start, arrival), in a heap with lazy deletion.
+
+Push and pop are O(log n). A cancelled waiter is only marked; it is skipped when it
+reaches the top, and the heap is compacted when dead entries outnumber live ones, so
+cancellation is O(1) amortised and nothing ever sorts the queue on insert.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .clock import Timer
+
+__all__ = ["Priority", "Waiter", "WaiterQueue"]
+
+
+@dataclass(frozen=True, slots=True)
+class Priority:
+    """What a request's headers say about its place in the queue."""
+
+    prompt_started_at: float
+    workspace: str = "default"
+    starred: bool = False
+    conversation: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    priority: Priority
+    seq: int
+    enqueued_at: float
+    on_grant: Callable[[Any], None]
+    on_reject: Callable[[Any], None] | None = None
+    starred: bool = False
+    queued: bool = True
+    timer: Timer | None = field(default=None, repr=False)
+
+    def sort_key(self) -> tuple[int, float, int]:
+        return (0 if self.starred else 1, self.priority.prompt_started_at, self.seq)
+
+
+class WaiterQueue:
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, float, int], Waiter]] = []
+        self._live = 0
+
+    def __len__(self) -> int:
+        return self._live
+
+    def push(self, waiter: Waiter) -> None:
+        heapq.heappush(self._heap, (waiter.sort_key(), waiter))
+        self._live += 1
+
+    def pop(self) -> Waiter | None:
+        while self._heap:
+            _, waiter = heapq.heappop(self._heap)
+            if waiter.queued:
+                waiter.queued = False
+                self._live -= 1
+                return waiter
+        return None
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Take a waiter out (its client left or it timed out); False if it was not queued."""
+        if not waiter.queued:
+            return False
+        waiter.queued = False
+        self._live -= 1
+        if len(self._heap) > 64 and self._live * 2 < len(self._heap):
+            self._rebuild()
+        return True
+
+    def restar(self, starred_workspaces: frozenset[str]) -> None:
+        """Re-evaluate each waiter's star against a new starred set and restore heap order."""
+        for _, waiter in self._heap:
+            waiter.starred = waiter.priority.starred or waiter.priority.workspace in starred_workspaces
+        self._rebuild()
+
+    def in_order(self) -> Iterator[Waiter]:
+        """Live waiters in admission order (for status; O(n log n), not on any hot path)."""
+        for _, waiter in sorted(self._heap, key=lambda entry: entry[0]):
+            if waiter.queued:
+                yield waiter
+
+    def _rebuild(self) -> None:
+        self._heap = [(w.sort_key(), w) for _, w in self._heap if w.queued]
+        heapq.heapify(self._heap)

@@ -1,0 +1,52 @@
+"""Log setup: one line per event worth knowing, as text or JSON, with secrets masked."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+
+__all__ = ["JsonFormatter", "mask_secrets", "setup_logging"]
+
+_SECRET = re.compile(
+    r"(?i)(authorization|x-api-key|api[_-]?key|token|bearer)(\"?\s*[:=]?\s*\"?)(bearer\s+)?([A-Za-z0-9._~+/=-]{8,})"
+)
+_KEY_SHAPED = re.compile(r"\b(sk-[A-Za-z0-9_-]{8,}|sk-ant-[A-Za-z0-9_-]{8,})")
+
+
+def mask_secrets(text: str) -> str:
+    """Mask anything that looks like a credential; a last line of defence, not the only one."""
+    text = _SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{m.group(3) or ''}***", text)
+    return _KEY_SHAPED.sub("***", text)
+
+
+class _MaskingFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return mask_secrets(super().format(record))
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": mask_secrets(record.getMessage()),
+        }
+        if record.exc_info:
+            entry["exc"] = mask_secrets(self.formatException(record.exc_info))
+        return json.dumps(entry, ensure_ascii=False)
+
+
+def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(_MaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

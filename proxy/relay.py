@@ -1,0 +1,266 @@
+"""The streaming relay: route, read the body, take a slot, forward, stream back, release.
+
+A slot is held from just before the upstream request is sent until the last byte
+of the response has been written to the client, and released exactly once on
+every path: normal end, client gone (queued or streaming), upstream failure,
+backoff retry, idle timeout and the watchdog's slot timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from .errors import (
+    BadRequest,
+    BodyTooLarge,
+    ProxyError,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    UnknownProvider,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from .headers import forward_request_headers, forward_response_headers, parse_priority
+from .limiter import Lease, Priority
+from .signals import Backoff, StreamErrorScanner, classify_response
+
+if TYPE_CHECKING:
+    from .app import ProxyState
+    from .config import ProviderSettings
+
+__all__ = ["PROVIDER", "QUEUE_MS_HEADER", "STATE", "error_response", "proxy_handler"]
+
+log = logging.getLogger("slotproxy.relay")
+
+QUEUE_MS_HEADER = "X-Slotproxy-Queue-Ms"
+STATE: web.AppKey[ProxyState] = web.AppKey("slotproxy")
+PROVIDER: web.RequestKey[str] = web.RequestKey("slotproxy_provider", str)
+_MAX_ERROR_BODY = 1 << 20
+_NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
+
+
+def error_response(error: ProxyError, *, queue_ms: int | None = None) -> web.Response:
+    """A proxy-made answer in the OpenAI error shape, so SDKs surface it."""
+    response = web.json_response(error.body(), status=error.status)
+    if error.retry_after is not None:
+        response.headers["Retry-After"] = str(max(1, int(error.retry_after + 0.999)))
+    if queue_ms is not None:
+        response.headers[QUEUE_MS_HEADER] = str(queue_ms)
+    return response
+
+
+class _NoSlot:
+    """Stands in for a lease on requests whose method takes no slot."""
+
+    queue_wait = 0.0
+    reclaimed = False
+    on_reclaim = None
+
+    def __init__(self) -> None:
+        self.granted_at = time.time()
+
+    def release(self) -> None:
+        return None
+
+
+class _Retry(Exception):
+    """A backoff answer arrived before any byte reached the client; try again after the pause."""
+
+
+def _route(request: web.Request, state: ProxyState) -> tuple[str, ProviderSettings, URL]:
+    provider = request.match_info["provider"]
+    settings = state.provider(provider)
+    if settings is None:
+        raise UnknownProvider(f"unknown provider '{provider}'; configured: {', '.join(state.provider_names()) or 'none'}")
+    decoded_rest = request.match_info.get("rest", "")
+    if any(segment in (".", "..") for segment in decoded_rest.split("/")):
+        raise BadRequest("dot segments ('.' or '..') are not allowed in the request path")
+    raw_path = request.raw_path.split("?", 1)[0]
+    raw_rest = raw_path.split("/", 2)[2] if raw_path.count("/") >= 2 else ""
+    target = settings.upstream + "/" + raw_rest if raw_rest else settings.upstream
+    if request.query_string:
+        target += "?" + request.query_string
+    return provider, settings, URL(target, encoded=True)
+
+
+async def _read_body(request: web.Request, max_body: int) -> bytes:
+    """Read the whole request body before any slot is taken (a slow client holds none)."""
+    declared = request.content_length
+    if declared is not None and declared > max_body:
+        raise BodyTooLarge(f"request body of {declared} bytes is over server.max_body ({max_body} bytes)")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > max_body:
+            raise BodyTooLarge(f"request body is over server.max_body ({max_body} bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def proxy_handler(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if state.shutting_down:
+        raise ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0)
+    provider, settings, url = _route(request, state)
+    request[PROVIDER] = provider
+    body = await _read_body(request, state.config.server.max_body)
+    priority, invalid = parse_priority(request.headers, state.priority_headers, time.time())
+    for key in invalid:
+        state.metrics.invalid_headers.labels(key).inc()
+    state.request_started()
+    try:
+        return await Exchange(request, state, provider, settings, url, body, priority).run()
+    finally:
+        state.request_finished()
+
+
+class Exchange:
+    """One client request, relayed with up to ``retry_on_429`` retries before the client sees anything."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        state: ProxyState,
+        provider: str,
+        settings: ProviderSettings,
+        url: URL,
+        body: bytes,
+        priority: Priority,
+    ) -> None:
+        self.request = request
+        self.state = state
+        self.provider = provider
+        self.settings = settings
+        self.url = url
+        self.body = body
+        self.priority = priority
+        self.needs_slot = request.method in settings.slot_methods
+        self.response: web.StreamResponse | None = None
+        self.queue_ms = 0
+        self.headers = forward_request_headers(
+            request.headers.items(), strip=state.priority_headers.names(), auth=state.provider_auth(settings)
+        )
+
+    async def run(self) -> web.StreamResponse:
+        retries_left = self.settings.retry_on_429
+        seq = self.state.backend.next_arrival(self.provider) if self.needs_slot else None
+        waited = 0.0
+        while True:
+            asked_at = time.monotonic()
+            try:
+                lease = await self._acquire(seq)
+            except (QueueFull, QueueTimeout, ShuttingDown) as exc:
+                self.queue_ms = int((waited + time.monotonic() - asked_at) * 1000)
+                return error_response(exc, queue_ms=self.queue_ms)
+            waited += lease.queue_wait
+            self.queue_ms = int(waited * 1000)
+            try:
+                return await self._attempt(lease, retry_allowed=retries_left > 0)
+            except _Retry:
+                retries_left -= 1
+            finally:
+                lease.release()
+
+    async def _acquire(self, seq: int | None) -> Lease | _NoSlot:
+        if not self.needs_slot:
+            return _NoSlot()
+        lease = await self.state.backend.acquire(self.provider, self.priority, seq=seq)
+        self.state.observe_grant(self.provider, lease)
+        return lease
+
+    async def _attempt(self, lease: Lease | _NoSlot, *, retry_allowed: bool) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(None) as deadline:
+                # The watchdog's abort: cancels whatever this attempt awaits (connect,
+                # headers or the next chunk), surfacing as TimeoutError below.
+                lease.on_reclaim = lambda: deadline.reschedule(loop.time())
+                return await self._exchange(lease, retry_allowed)
+        except TimeoutError:
+            what = "slot_timeout" if lease.reclaimed else "idle_timeout or connect_timeout"
+            log.warning("provider=%s %s fired for %s %s", self.provider, what, self.request.method, self.url.path)
+            return self._fail(UpstreamTimeout(f"upstream of provider '{self.provider}' timed out ({what})"))
+        except aiohttp.ClientError as exc:
+            log.warning("provider=%s upstream failed: %s", self.provider, type(exc).__name__)
+            return self._fail(UpstreamUnreachable(f"upstream of provider '{self.provider}' failed: {type(exc).__name__}"))
+        finally:
+            lease.on_reclaim = None
+
+    def _fail(self, error: ProxyError) -> web.StreamResponse:
+        """Answer with an error, or, once bytes reached the client, cut the connection."""
+        if self.response is None:
+            return error_response(error, queue_ms=self.queue_ms)
+        transport = self.request.transport
+        if transport is not None:
+            transport.close()
+        return self.response
+
+    async def _exchange(self, lease: Lease | _NoSlot, retry_allowed: bool) -> web.StreamResponse:
+        session = self.state.session_for(self.settings)
+        data = None if (not self.body and self.request.method in _NO_BODY_METHODS) else self.body
+        async with session.request(
+            self.request.method,
+            self.url,
+            headers=self.headers,
+            data=data,
+            allow_redirects=False,
+            timeout=self.state.client_timeout(self.settings),
+        ) as upstream:
+            if upstream.status in self.settings.backoff_statuses:
+                return await self._relay_backoff(upstream, lease, retry_allowed)
+            return await self._stream(upstream, lease)
+
+    async def _relay_backoff(
+        self, upstream: aiohttp.ClientResponse, lease: Lease | _NoSlot, retry_allowed: bool
+    ) -> web.StreamResponse:
+        body = await upstream.content.read(_MAX_ERROR_BODY)
+        backoff = classify_response(
+            upstream.status, upstream.headers, body, self.settings.backoff_statuses, time.time()
+        )
+        if backoff is not None:
+            self._report(backoff, lease)
+            if retry_allowed:
+                log.info("provider=%s retrying after a %s (the client has seen nothing yet)", self.provider, backoff.cause)
+                raise _Retry
+        response = web.Response(status=upstream.status, reason=upstream.reason, body=body)
+        response.headers.extend(forward_response_headers(upstream.headers))
+        response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
+        return response
+
+    def _report(self, backoff: Backoff, lease: Lease | _NoSlot) -> None:
+        self.state.metrics.backoffs.labels(self.provider, backoff.cause).inc()
+        self.state.backend.report_backoff(self.provider, backoff.cause, backoff.wait, lease.granted_at)
+
+    async def _stream(self, upstream: aiohttp.ClientResponse, lease: Lease | _NoSlot) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        response.headers.extend(forward_response_headers(upstream.headers))
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
+        self.response = response
+        await response.prepare(self.request)
+        scanner = StreamErrorScanner() if _is_event_stream(upstream) else None
+        # Cancellation point: the client may leave at any await below; the handler
+        # is cancelled and the caller's finally releases the slot.
+        async for chunk in upstream.content.iter_any():
+            if scanner is not None:
+                backoff = scanner.feed(chunk)
+                if backoff is not None:
+                    self._report(backoff, lease)
+                    scanner = None
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+
+def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
+    return upstream.status == 200 and upstream.content_type == "text/event-stream"

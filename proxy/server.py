@@ -1,0 +1,122 @@
+"""Running the proxy: start, reload on edits and SIGHUP, shut down gracefully on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from .app import ProxyState, start_server
+from .config import Config, ConfigError, load_config
+from .errors import ShuttingDown
+
+__all__ = ["ConfigWatcher", "serve", "shutdown"]
+
+log = logging.getLogger("slotproxy")
+
+
+class ConfigWatcher:
+    """Applies edits to the config file: content changes (also a symlink swap) and SIGHUP.
+
+    A reload is parse → validate → swap. An invalid file is refused whole; the
+    running config stays and the error is kept in status until a valid edit.
+    """
+
+    def __init__(self, state: ProxyState, path: str, interval: float = 1.0) -> None:
+        self._state = state
+        self._path = Path(path)
+        self._interval = interval
+        self._digest = self._read_digest()
+        self._task: asyncio.Task[None] | None = None
+
+    def _read_digest(self) -> bytes | None:
+        try:
+            return hashlib.sha256(self._path.read_bytes()).digest()
+        except OSError:
+            return None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            digest = self._read_digest()
+            if digest is not None and digest != self._digest:
+                self._digest = digest
+                self.reload("file changed")
+
+    def reload(self, reason: str) -> bool:
+        self._digest = self._read_digest() or self._digest
+        try:
+            config = load_config(self._path)
+        except ConfigError as exc:
+            self._state.config_error = f"{self._path}: " + "; ".join(exc.problems)
+            log.error("config reload refused (%s); keeping the running config: %s", reason, self._state.config_error)
+            return False
+        self._warn_restart_only(config)
+        self._state.apply(config)
+        self._state.config_error = None
+        log.info("config reloaded (%s): providers %s", reason, ", ".join(config.provider_names()) or "none")
+        return True
+
+    def _warn_restart_only(self, config: Config) -> None:
+        old = self._state.config
+        if (old.server.host, old.server.port) != (config.server.host, config.server.port):
+            log.warning("server.host/server.port changed in the config; they apply at the next restart")
+        if old.backend != config.backend:
+            log.warning("backend settings changed in the config; they apply at the next restart")
+
+
+async def shutdown(state: ProxyState, runner: web.AppRunner) -> None:
+    """Answer queued requests 503, let streams finish for up to shutdown_grace, then stop."""
+    grace = state.config.server.shutdown_grace
+    state.shutting_down = True
+    shed = state.backend.shed_queues(ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0))
+    log.info("shutting down: %d queued request(s) answered 503; waiting up to %.0fs for %d in flight",
+             shed, grace, state.active_requests)
+    try:
+        await asyncio.wait_for(state.idle.wait(), timeout=grace)
+    except TimeoutError:
+        log.warning("shutdown grace of %.0fs ran out with %d request(s) still in flight", grace, state.active_requests)
+    await runner.cleanup()
+    log.info("slotproxy stopped")
+
+
+async def _serve(config: Config, path: str, host: str, port: int) -> int:
+    state = ProxyState(config, config_path=path)
+    runner, bound = await start_server(state, host, port)
+    watcher = ConfigWatcher(state, path)
+    watcher.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: watcher.reload("SIGHUP"))
+    log.info("slotproxy listening on http://%s:%d (providers: %s; config %s)",
+             host, bound, ", ".join(config.provider_names()) or "none", path)
+    await stop.wait()
+    await watcher.stop()
+    await shutdown(state, runner)
+    return 0
+
+
+def serve(config: Config, path: str, host: str, port: int) -> int:
+    """Run until SIGTERM or SIGINT; returns the exit status."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(_serve(config, path, host, port))
+    return uvloop.run(_serve(config, path, host, port))

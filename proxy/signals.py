@@ -1,0 +1,306 @@
+"""Reading rate-limit answers from upstream providers.
+
+Pure functions over headers and body bytes: no I/O, and time is an argument.
+The relay asks :func:`classify_response` whether a response should pause the
+provider, and feeds every chunk of a 200 stream to a :class:`StreamErrorScanner`
+to catch rate-limit errors that arrive inside the stream.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timezone
+from email.utils import parsedate_to_datetime
+from typing import Any
+
+__all__ = [
+    "MAX_WAIT",
+    "Backoff",
+    "StreamErrorScanner",
+    "classify_response",
+    "is_quota_exhausted",
+    "stated_wait",
+]
+
+MAX_WAIT = 86400.0
+"""Longest stated wait honoured, in seconds; longer ones are capped to this."""
+
+_MAX_BODY = 1 << 20
+"""Error bodies are small; a larger body is not parsed, so a hostile or broken
+upstream cannot make every backoff cost a multi-megabyte JSON decode."""
+
+_MAX_LINE = 64 * 1024
+
+_NUMBER = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*")
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)s\s*")
+
+_MS_HEADERS = ("retry-after-ms", "x-ms-retry-after-ms")
+_STREAM_ERROR_TYPES = frozenset({"rate_limit_error", "overloaded_error"})
+_RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+_QUOTA_FAILURE = "google.rpc.QuotaFailure"
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """An upstream answer that should pause the provider.
+
+    ``cause`` names it in the auto-reduce notice: the status code (``"429"``)
+    or the in-stream error type (``"overloaded_error"``). ``wait`` is the
+    upstream's stated wait in seconds, or None when it stated none.
+    """
+
+    cause: str
+    wait: float | None
+
+
+def stated_wait(headers: Mapping[str, str], body: bytes | None, now: float) -> float | None:
+    """Seconds to wait as stated by upstream, or None when it stated nothing usable.
+
+    Sources, first usable one wins: ``retry-after-ms``, ``x-ms-retry-after-ms``,
+    ``retry-after`` (seconds or an HTTP date, relative to ``now`` in epoch
+    seconds), then a Gemini-style body ``error.details[].retryDelay``. An
+    invalid or negative value falls through to the next source.
+    """
+    found = _header_wait(_lowercase(headers), now)
+    if found is None:
+        found = _body_wait(_load_json(body))
+    return found
+
+
+def is_quota_exhausted(body: bytes | None) -> bool:
+    """True when an error body says a quota is used up rather than a rate exceeded.
+
+    Waiting a few seconds does not help against an exhausted quota, so such an
+    answer must not pause the provider or lower its limit.
+    """
+    return any(_says_quota_exhausted(error) for error in _errors(_load_json(body)))
+
+
+def classify_response(
+    status: int,
+    headers: Mapping[str, str],
+    body: bytes | None,
+    backoff_statuses: Collection[int],
+    now: float,
+) -> Backoff | None:
+    """The backoff a response calls for, or None when it calls for none."""
+    if status not in backoff_statuses or is_quota_exhausted(body):
+        return None
+    return Backoff(cause=str(status), wait=stated_wait(headers, body, now))
+
+
+class StreamErrorScanner:
+    """Watches one SSE stream for rate-limit errors sent after a 200 status.
+
+    Feed it every chunk as relayed; it reports the first rate-limit error and
+    nothing after that. Chunks are cut anywhere by the network, so only the
+    unfinished last line is carried over (at most 64 KiB; a longer line is
+    dropped). A chunk that cannot complete a line containing ``error`` costs
+    two byte searches, which keeps the scanner off the relay's hot path.
+    """
+
+    __slots__ = ("_tail", "_tail_hit", "_skipping", "_reported")
+
+    def __init__(self) -> None:
+        self._tail = bytearray()
+        self._tail_hit = False
+        self._skipping = False
+        self._reported = False
+
+    def feed(self, chunk: bytes) -> Backoff | None:
+        """Scan the next chunk; the backoff if it completes a rate-limit error event."""
+        if self._reported or not chunk:
+            return None
+        if self._tail_hit or b"error" in chunk or self._error_spans(chunk):
+            return self._scan(chunk)
+        self._carry(chunk)
+        return None
+
+    def _error_spans(self, chunk: bytes) -> bool:
+        return bool(self._tail) and b"error" in self._tail[-4:] + chunk[:4]
+
+    def _carry(self, chunk: bytes) -> None:
+        cut = chunk.rfind(b"\n")
+        if cut >= 0:
+            self._start_line()
+            chunk = chunk[cut + 1 :]
+        self._append(chunk)
+
+    def _scan(self, chunk: bytes) -> Backoff | None:
+        cut = chunk.rfind(b"\n")
+        if cut < 0:
+            self._append(chunk)
+            self._tail_hit = not self._skipping
+            return None
+        lines = chunk[:cut].split(b"\n")
+        if self._skipping:
+            lines[0] = b""
+        else:
+            lines[0] = bytes(self._tail) + lines[0]
+        self._start_line()
+        found = _first_stream_error(lines)
+        if found is not None:
+            self._reported = True
+            self._tail.clear()
+            return found
+        self._append(chunk[cut + 1 :])
+        self._tail_hit = b"error" in self._tail
+        return None
+
+    def _start_line(self) -> None:
+        self._tail.clear()
+        self._tail_hit = False
+        self._skipping = False
+
+    def _append(self, piece: bytes) -> None:
+        if self._skipping:
+            return
+        self._tail += piece
+        if len(self._tail) > _MAX_LINE:
+            self._tail.clear()
+            self._tail_hit = False
+            self._skipping = True
+
+
+def _lowercase(headers: Mapping[str, str]) -> dict[str, str]:
+    """Header names folded to lower case; the first of duplicate names wins."""
+    folded: dict[str, str] = {}
+    for name, value in headers.items():
+        if isinstance(name, str) and isinstance(value, str):
+            folded.setdefault(name.lower(), value)
+    return folded
+
+
+def _header_wait(headers: Mapping[str, str], now: float) -> float | None:
+    for name in _MS_HEADERS:
+        millis = _number(headers.get(name))
+        if millis is not None:
+            return _capped(millis / 1000.0)
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    seconds = _number(value)
+    if seconds is None:
+        seconds = _seconds_until(value, now)
+    return None if seconds is None else _capped(seconds)
+
+
+def _number(value: str | None) -> float | None:
+    """A non-negative decimal number; None for anything else (signs, nan, junk)."""
+    if value is None:
+        return None
+    match = _NUMBER.fullmatch(value)
+    return float(match.group(1)) if match else None
+
+
+def _seconds_until(http_date: str, now: float) -> float | None:
+    """Seconds from ``now`` to an HTTP date, 0 when it is past, None when invalid."""
+    try:
+        when = parsedate_to_datetime(http_date)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    try:
+        return max(0.0, when.timestamp() - now)
+    except (ValueError, OverflowError):
+        return None
+
+
+def _capped(seconds: float) -> float:
+    return min(seconds, MAX_WAIT)
+
+
+def _body_wait(document: Any) -> float | None:
+    for error in _errors(document):
+        for detail in _dicts(error.get("details")):
+            delay = detail.get("retryDelay")
+            match = _DURATION.fullmatch(delay) if isinstance(delay, str) else None
+            if match:
+                return _capped(float(match.group(1)))
+    return None
+
+
+def _says_quota_exhausted(error: dict[str, Any]) -> bool:
+    if "insufficient_quota" in (error.get("code"), error.get("type")):
+        return True
+    return any(_is_daily_quota_failure(detail) for detail in _dicts(error.get("details")))
+
+
+def _is_daily_quota_failure(detail: dict[str, Any]) -> bool:
+    kind = detail.get("@type")
+    if not (isinstance(kind, str) and kind.endswith(_QUOTA_FAILURE)):
+        return False
+    for violation in _dicts(detail.get("violations")):
+        for key in ("quotaId", "quotaMetric"):
+            name = violation.get(key)
+            if isinstance(name, str) and _names_daily_quota(name):
+                return True
+    return False
+
+
+def _names_daily_quota(name: str) -> bool:
+    """Gemini ids read ``GenerateRequestsPerDayPerProjectPerModel``; metrics use ``per_day``."""
+    folded = name.lower()
+    return "perday" in folded or "per_day" in folded
+
+
+def _load_json(body: bytes | None) -> Any:
+    if not body or len(body) > _MAX_BODY:
+        return None
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _errors(document: Any) -> Iterator[dict[str, Any]]:
+    """The ``error`` objects of a body: one object, or a JSON array of them (Gemini)."""
+    items = document if isinstance(document, list) else [document]
+    for item in _dicts(items):
+        error = item.get("error")
+        if isinstance(error, dict):
+            yield error
+
+
+def _dicts(value: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(value, list):
+        yield from (item for item in value if isinstance(item, dict))
+
+
+def _first_stream_error(lines: list[bytes]) -> Backoff | None:
+    for line in lines:
+        if b"error" in line:
+            found = _stream_error(line.rstrip(b"\r"))
+            if found is not None:
+                return found
+    return None
+
+
+def _stream_error(line: bytes) -> Backoff | None:
+    """The backoff an SSE ``data:`` line calls for.
+
+    Anthropic sends ``{"type": "error", "error": {"type": "overloaded_error"}}``;
+    OpenAI-style servers send ``{"error": {"code": "rate_limit_exceeded"}}``, and
+    the Responses API a top-level ``{"type": "error", "code": ...}``. Text
+    deltas that merely mention "error" have no such object and are ignored.
+    """
+    if not line.startswith(b"data:"):
+        return None
+    document = _load_json(line[5:])
+    if not isinstance(document, dict):
+        return None
+    error = document.get("error")
+    if not isinstance(error, dict):
+        error = document if document.get("type") == "error" else None
+    if error is None:
+        return None
+    kind, code = error.get("type"), error.get("code")
+    if isinstance(kind, str) and kind in _STREAM_ERROR_TYPES:
+        return Backoff(cause=kind, wait=_body_wait(document))
+    if _RATE_LIMIT_EXCEEDED in (kind, code):
+        return Backoff(cause=_RATE_LIMIT_EXCEEDED, wait=_body_wait(document))
+    return None

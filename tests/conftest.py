@@ -1,0 +1,105 @@
+"""Shared fixtures: a real fake provider and a real proxy, both on 127.0.0.1 in this loop."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.app import ProxyState, start_server
+from proxy.config import parse_config
+from proxy.fake_upstream import FakeUpstream, start_fake_upstream
+
+
+@dataclass
+class Upstream:
+    fake: FakeUpstream
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass
+class Proxy:
+    state: ProxyState
+    port: int
+    runner: web.AppRunner
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def status(self, provider: str = "openai") -> dict[str, Any]:
+        for entry in self.state.status()["providers"]:
+            if entry["provider"] == provider:
+                return entry
+        raise KeyError(provider)
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll a cheap in-process predicate; generous bound, short step."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def start_upstream() -> AsyncIterator[Callable[..., Awaitable[Upstream]]]:
+    runners: list[web.AppRunner] = []
+
+    async def start(**options: Any) -> Upstream:
+        fake = FakeUpstream(**options)
+        runner, port = await start_fake_upstream(fake)
+        runners.append(runner)
+        return Upstream(fake, port)
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
+    proxies: list[Proxy] = []
+
+    async def start(yaml_text: str) -> Proxy:
+        config = parse_config(textwrap.dedent(yaml_text))
+        state = ProxyState(config)
+        runner, port = await start_server(state, "127.0.0.1", 0)
+        proxy = Proxy(state, port, runner)
+        proxies.append(proxy)
+        return proxy
+
+    yield start
+    for proxy in proxies:
+        await proxy.runner.cleanup()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        yield session
+
+
+def provider_yaml(upstream: Upstream, **settings: Any) -> str:
+    """A minimal config with one provider `openai` in front of the fake."""
+    lines = [f"    upstream: {upstream.url}/v1"]
+    for key, value in settings.items():
+        lines.append(f"    {key}: {'null' if value is None else value}")
+    body = "\n".join(lines)
+    return f"state: {{path: null}}\nproviders:\n  openai:\n{body}\n"
+
+
+def chat(stream: bool = True, user: str = "") -> dict[str, Any]:
+    return {"model": "fake", "stream": stream, "user": user, "messages": [{"role": "user", "content": "hi"}]}

@@ -1,0 +1,470 @@
+"""The fake provider: its wire shapes (checked with the official SDKs), its cap, its lag and its knobs."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gzip
+import json
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from proxy import fake_upstream
+from proxy.fake_upstream import FakeUpstream, add_arguments, start_fake_upstream
+
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+MESSAGES_BODY = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Upstream:
+    fake: FakeUpstream
+    url: str
+    session: aiohttp.ClientSession
+
+    def post(self, path: str, body: dict[str, Any], **headers: str) -> Any:
+        wire = {name.replace("_", "-"): value for name, value in headers.items()}
+        return self.session.post(self.url + path, json=body, headers=wire)
+
+    async def sessions(self) -> int:
+        async with self.session.get(self.url + "/v1/usage") as resp:
+            return (await resp.json())["concurrent"]["sessions"]
+
+    async def wait_sessions(self, expected: int, within: float = 1.0) -> float:
+        """Poll /v1/usage until it reports ``expected``; returns the seconds it took."""
+        start = time.monotonic()
+        while await self.sessions() != expected:
+            assert time.monotonic() - start < within, f"sessions never reached {expected}"
+            await asyncio.sleep(0.005)
+        return time.monotonic() - start
+
+
+@pytest.fixture
+def fake(request: pytest.FixtureRequest) -> FakeUpstream:
+    return FakeUpstream(**(getattr(request, "param", None) or {"chunks": 3, "delay_ms": 5}))
+
+
+def options(**kwargs: Any) -> pytest.MarkDecorator:
+    """Run the test against a fake built with these options."""
+    return pytest.mark.parametrize("fake", [kwargs], indirect=True, ids=[""])
+
+
+@pytest.fixture
+async def up(fake: FakeUpstream) -> AsyncIterator[Upstream]:
+    runner, port = await start_fake_upstream(fake)
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        yield Upstream(fake, f"http://127.0.0.1:{port}", session)
+    await runner.cleanup()
+
+
+def openai_client(up: Upstream) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{up.url}/v1", api_key="x", max_retries=0)
+
+
+def anthropic_client(up: Upstream) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url=up.url, api_key="x", max_retries=0)
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> list[tuple[str | None, str]]:
+    """(event name, data) pairs of an SSE body."""
+    events, name = [], None
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            events.append((name, line[len("data: "):]))
+            name = None
+    return events
+
+
+# --- wire shapes, read by the official SDKs -------------------------------------------------
+
+
+async def test_openai_chat_non_streaming(up: Upstream) -> None:
+    async with openai_client(up) as client:
+        completion = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert completion.object == "chat.completion"
+    assert completion.choices[0].message.content == "tok0 tok1 tok2 "
+    assert completion.choices[0].finish_reason == "stop"
+    assert completion.usage is not None and completion.usage.completion_tokens == 3
+    assert up.fake.completed == 1
+
+
+async def test_openai_chat_streaming(up: Upstream) -> None:
+    async with openai_client(up) as client:
+        stream = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "tok0 tok1 tok2 "
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+async def test_openai_stream_ends_with_done(up: Upstream) -> None:
+    async with up.post(CHAT, CHAT_BODY | {"stream": True}) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = await sse_events(resp)
+    assert events[-1] == (None, "[DONE]")
+    assert [json.loads(data)["object"] for _, data in events[:-1]] == ["chat.completion.chunk"] * 4
+
+
+async def test_openai_completions(up: Upstream) -> None:
+    async with openai_client(up) as client:
+        full = await client.completions.create(model="m", prompt="hi")
+        stream = await client.completions.create(model="m", prompt="hi", stream=True)
+        pieces = [chunk.choices[0].text async for chunk in stream]
+    assert full.choices[0].text == "tok0 tok1 tok2 "
+    assert "".join(pieces) == "tok0 tok1 tok2 "
+
+
+async def test_anthropic_non_streaming(up: Upstream) -> None:
+    async with anthropic_client(up) as client:
+        message = await client.messages.create(**MESSAGES_BODY)
+    assert message.content[0].type == "text" and message.content[0].text == "tok0 tok1 tok2 "
+    assert message.stop_reason == "end_turn"
+    assert message.usage.output_tokens == 3
+
+
+async def test_anthropic_streaming(up: Upstream) -> None:
+    async with anthropic_client(up) as client:
+        async with client.messages.stream(**MESSAGES_BODY) as stream:
+            text = "".join([piece async for piece in stream.text_stream])
+            final = await stream.get_final_message()
+    assert text == "tok0 tok1 tok2 "
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == 3
+
+
+async def test_anthropic_event_sequence(up: Upstream) -> None:
+    async with up.post(MESSAGES, MESSAGES_BODY | {"stream": True}) as resp:
+        events = await sse_events(resp)
+    names = [name for name, _ in events]
+    assert names == [
+        "message_start", "content_block_start", *["content_block_delta"] * 3,
+        "content_block_stop", "message_delta", "message_stop",
+    ]
+    assert all(json.loads(data)["type"] == name for name, data in events)
+
+
+async def test_models_parse_with_both_sdks(up: Upstream) -> None:
+    async with openai_client(up) as oai, anthropic_client(up) as ant:
+        assert [m.id async for m in oai.models.list()] == ["fake-model"]
+        assert [m.id async for m in ant.models.list()] == ["fake-model"]
+    assert up.fake.requests == 0
+
+
+async def test_chunks_are_flushed_one_by_one(up: Upstream) -> None:
+    times = []
+    async with up.post(CHAT, CHAT_BODY | {"stream": True}, x_fake_chunks="4", x_fake_delay_ms="80") as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                times.append(time.monotonic())
+    assert len(times) == 5
+    assert times[3] - times[0] > 0.2
+
+
+# --- the cap ---------------------------------------------------------------------------------
+
+
+async def hold_slots(up: Upstream, count: int) -> list[asyncio.Task[Any]]:
+    """Start ``count`` requests that stall inside their slot; returns once all are admitted."""
+
+    async def one() -> None:
+        async with up.post(CHAT, CHAT_BODY, x_fake_stall_ms="300") as resp:
+            await resp.read()
+
+    tasks = [asyncio.create_task(one()) for _ in range(count)]
+    await up.wait_sessions(count)
+    return tasks
+
+
+@options(cap=2, retry_after=2.5, delay_ms=5)
+async def test_over_the_cap_answers_429(up: Upstream) -> None:
+    tasks = await hold_slots(up, 2)
+    async with up.post(CHAT, CHAT_BODY) as resp:
+        assert resp.status == 429
+        assert resp.headers["retry-after"] == "3"
+        assert resp.headers["retry-after-ms"] == "2500"
+        assert await resp.json() == {
+            "error": {"message": "Concurrency limit exceeded", "type": "rate_limit_error",
+                      "code": "rate_limit_exceeded"},
+        }
+    async with up.post(MESSAGES, MESSAGES_BODY) as resp:
+        assert resp.status == 429
+        body = await resp.json()
+        assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+    await asyncio.gather(*tasks)
+    stats = up.fake.stats()
+    assert (stats["max_concurrency"], stats["rate_limited"], stats["requests"], stats["completed"]) == (2, 2, 4, 2)
+
+
+@options(cap=1, delay_ms=5)
+async def test_over_the_cap_sdks_see_rate_limit_errors(up: Upstream) -> None:
+    tasks = await hold_slots(up, 1)
+    async with openai_client(up) as oai, anthropic_client(up) as ant:
+        with pytest.raises(openai.RateLimitError):
+            await oai.chat.completions.create(**CHAT_BODY)
+        with pytest.raises(anthropic.RateLimitError):
+            await ant.messages.create(**MESSAGES_BODY)
+    await asyncio.gather(*tasks)
+
+
+@options(cap=1, delay_ms=5)
+async def test_slot_frees_after_the_answer(up: Upstream) -> None:
+    for _ in range(3):
+        async with up.post(CHAT, CHAT_BODY | {"stream": True}) as resp:
+            assert resp.status == 200
+            await resp.read()
+        await up.wait_sessions(0)
+    assert up.fake.rate_limited == 0 and up.fake.max_concurrency == 1
+
+
+@options(cap=1, lag_ms=150, delay_ms=5)
+async def test_lag_keeps_the_slot_counted(up: Upstream) -> None:
+    async with up.post(CHAT, CHAT_BODY) as resp:
+        await resp.read()
+    assert await up.sessions() == 1
+    async with up.post(CHAT, CHAT_BODY) as resp:
+        assert resp.status == 429
+    took = await up.wait_sessions(0)
+    assert 0.08 < took < 1.0
+    async with up.post(CHAT, CHAT_BODY) as resp:
+        assert resp.status == 200
+
+
+@options(cap=1, chunks=100, delay_ms=20)
+@pytest.mark.parametrize("path,body", [(CHAT, CHAT_BODY), (MESSAGES, MESSAGES_BODY)])
+async def test_client_disconnect_mid_stream_frees_the_slot(up: Upstream, path: str, body: dict[str, Any]) -> None:
+    resp = await up.post(path, body | {"stream": True})
+    await resp.content.readline()
+    assert await up.sessions() == 1
+    resp.close()
+    assert await up.wait_sessions(0, within=0.5) < 0.5
+    assert up.fake.completed == 0
+
+
+@options(cap=1, delay_ms=5)
+async def test_client_disconnect_while_stalled_frees_the_slot(up: Upstream) -> None:
+    task = asyncio.create_task(up.post(CHAT, CHAT_BODY, x_fake_stall_ms="5000").__aenter__())
+    await up.wait_sessions(1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await up.wait_sessions(0, within=0.5)
+
+
+# --- knobs -----------------------------------------------------------------------------------
+
+
+async def test_tags_and_headers_are_recorded(up: Upstream) -> None:
+    for request in (up.post(CHAT, CHAT_BODY, x_fake_tag="a"), up.post(CHAT, CHAT_BODY | {"user": "u"}),
+                    up.post(MESSAGES, MESSAGES_BODY, X_Custom="Yes")):
+        async with request as resp:
+            await resp.read()
+    assert [a["tag"] for a in up.fake.arrivals] == ["a", "u", ""]
+    assert all(abs(a["at"] - time.time() * 1000) < 5000 for a in up.fake.arrivals)
+    assert up.fake.last_headers["x-custom"] == "Yes"
+
+
+async def test_arrivals_keep_the_most_recent(up: Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fake_upstream, "ARRIVALS_KEPT", 2)
+    for tag in "abc":
+        async with up.post(CHAT, CHAT_BODY, x_fake_tag=tag) as resp:
+            await resp.read()
+    assert [a["tag"] for a in up.fake.arrivals] == ["b", "c"]
+
+
+async def test_stats_route_and_reset(up: Upstream) -> None:
+    async with up.post(CHAT, CHAT_BODY, x_fake_tag="t") as resp:
+        await resp.read()
+    async with up.session.get(up.url + "/stats") as resp:
+        stats = await resp.json()
+    assert stats["requests"] == 1 and stats["completed"] == 1 and stats["max_concurrency"] == 1
+    assert stats["arrivals"][0]["tag"] == "t" and stats["cap"] is None
+    async with up.session.post(up.url + "/stats/reset") as resp:
+        after = await resp.json()
+    assert (after["requests"], after["completed"], after["max_concurrency"], after["arrivals"]) == (0, 0, 0, [])
+    assert after["last_headers"] == {}
+
+
+async def test_injected_status(up: Upstream) -> None:
+    async with up.post(CHAT, CHAT_BODY | {"stream": True}, x_fake_status="503") as resp:
+        assert resp.status == 503
+        assert (await resp.json())["error"]["type"] == "server_error"
+    async with up.post(CHAT, CHAT_BODY, x_fake_status="429", x_fake_error_code="insufficient_quota") as resp:
+        assert resp.status == 429 and resp.headers["retry-after"] == "1"
+        assert resp.headers["retry-after-ms"] == "1000"
+        assert (await resp.json())["error"]["code"] == "insufficient_quota"
+    async with up.post(CHAT, CHAT_BODY, x_fake_status="429", x_fake_no_retry_after="1") as resp:
+        assert resp.status == 429
+        assert "retry-after" not in resp.headers and "retry-after-ms" not in resp.headers
+    async with up.post(MESSAGES, MESSAGES_BODY, x_fake_status="529") as resp:
+        assert resp.status == 529
+        assert await resp.json() == {
+            "type": "error", "error": {"type": "overloaded_error", "message": "Injected status 529"},
+        }
+    assert (up.fake.requests, up.fake.rate_limited, up.fake.max_concurrency) == (4, 2, 1)
+
+
+async def test_stall_delays_the_headers_inside_the_slot(up: Upstream) -> None:
+    start = time.monotonic()
+    async with up.post(CHAT, CHAT_BODY, x_fake_stall_ms="150") as resp:
+        assert time.monotonic() - start >= 0.14
+        assert resp.status == 200
+        await resp.read()
+
+
+async def test_stall_counts_as_active(up: Upstream) -> None:
+    tasks = await hold_slots(up, 1)
+    assert up.fake.active == 1
+    await asyncio.gather(*tasks)
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, CHAT_BODY), (MESSAGES, MESSAGES_BODY)])
+async def test_reset_after_cuts_the_stream(up: Upstream, path: str, body: dict[str, Any]) -> None:
+    deltas = 0
+    async with up.post(path, body | {"stream": True}, x_fake_reset_after="2", x_fake_chunks="5") as resp:
+        assert resp.status == 200
+        with pytest.raises(aiohttp.ClientError):
+            async for line in resp.content:
+                deltas += b'"tok' in line
+    assert deltas == 2
+    await up.wait_sessions(0)
+    assert up.fake.completed == 0
+
+
+async def test_reset_after_without_stream_drops_the_connection(up: Upstream) -> None:
+    with pytest.raises(aiohttp.ClientError):
+        async with up.post(CHAT, CHAT_BODY, x_fake_reset_after="0") as resp:
+            await resp.read()
+    await up.wait_sessions(0)
+
+
+async def test_gzip_answer(up: Upstream) -> None:
+    async with up.post(CHAT, CHAT_BODY, x_fake_gzip="1") as resp:
+        raw = await resp.read()
+        assert resp.headers["Content-Encoding"] == "gzip"
+        assert int(resp.headers["Content-Length"]) == len(raw)
+    assert json.loads(gzip.decompress(raw))["object"] == "chat.completion"
+    async with openai_client(up) as client:
+        completion = await client.chat.completions.create(**CHAT_BODY, extra_headers={"x-fake-gzip": "1"})
+    assert completion.choices[0].message.content == "tok0 tok1 tok2 "
+
+
+async def test_stream_error_openai(up: Upstream) -> None:
+    async with up.post(CHAT, CHAT_BODY | {"stream": True}, x_fake_stream_error="rate_limit_exceeded") as resp:
+        events = await sse_events(resp)
+    assert len(events) == 2
+    assert json.loads(events[1][1])["error"]["code"] == "rate_limit_exceeded"
+    async with openai_client(up) as client:
+        stream = await client.chat.completions.create(
+            **CHAT_BODY, stream=True, extra_headers={"x-fake-stream-error": "rate_limit_exceeded"}
+        )
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+
+
+async def test_stream_error_anthropic(up: Upstream) -> None:
+    async with up.post(MESSAGES, MESSAGES_BODY | {"stream": True}, x_fake_stream_error="overloaded_error") as resp:
+        events = await sse_events(resp)
+    assert [name for name, _ in events] == ["message_start", "content_block_start", "content_block_delta", "error"]
+    assert json.loads(events[-1][1]) == {
+        "type": "error", "error": {"type": "overloaded_error", "message": "In-stream error: overloaded_error"},
+    }
+    async with anthropic_client(up) as client:
+        with pytest.raises(anthropic.APIError):
+            async with client.messages.stream(
+                **MESSAGES_BODY, extra_headers={"x-fake-stream-error": "overloaded_error"}
+            ) as stream:
+                async for _ in stream:
+                    pass
+
+
+async def test_per_request_chunks_and_delay(up: Upstream) -> None:
+    start = time.monotonic()
+    async with up.post(CHAT, CHAT_BODY | {"stream": True}, x_fake_chunks="2", x_fake_delay_ms="100") as resp:
+        events = await sse_events(resp)
+    assert time.monotonic() - start >= 0.19
+    assert len(events) == 4
+    start = time.monotonic()
+    async with up.post(CHAT, CHAT_BODY, x_fake_delay_ms="120") as resp:
+        assert (await resp.json())["choices"][0]["message"]["content"] == "tok0 tok1 tok2 "
+    assert time.monotonic() - start >= 0.11
+
+
+@pytest.mark.parametrize("header,value", [("x_fake_chunks", "0"), ("x_fake_delay_ms", "soon"),
+                                          ("x_fake_status", "abc")])
+async def test_bad_knob_is_a_400(up: Upstream, header: str, value: str) -> None:
+    async with up.post(CHAT, CHAT_BODY, **{header: value}) as resp:
+        assert resp.status == 400
+        assert header.replace("_", "-") in (await resp.json())["error"]["message"]
+    assert up.fake.active == 0
+
+
+# --- construction and the command line -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"cap": 0}, "cap must be a positive integer or None"),
+    ({"chunks": 0}, "chunks must be >= 1"),
+    ({"lag_ms": -1}, "lag_ms must be >= 0"),
+])
+def test_invalid_options(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FakeUpstream(**kwargs)
+
+
+def test_add_arguments_defaults_and_values() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    assert (defaults.port, defaults.cap, defaults.chunks, defaults.delay_ms, defaults.lag_ms) == (9100, None, 5, 20, 0)
+    given = parser.parse_args(["--port", "0", "--cap", "3", "--chunks", "7", "--delay-ms", "2.5", "--lag-ms", "40"])
+    assert (given.port, given.cap, given.chunks, given.delay_ms, given.lag_ms) == (0, 3, 7, 2.5, 40)
+
+
+def test_add_arguments_rejects_a_zero_cap(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cap", "0"])
+    assert "must be a positive integer, got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+async def test_run_prints_its_address_and_stops_on_a_signal(sig: signal.Signals) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "from proxy.fake_upstream import run; run(0, 2, 3, 5, 0)",
+        cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 10)).decode()  # type: ignore[union-attr]
+        assert line.startswith("fake-upstream listening on http://127.0.0.1:")
+        assert "(cap=2, chunks=3, delay_ms=5, lag_ms=0)" in line
+        url = line.split()[3]
+        async with aiohttp.ClientSession() as session, session.get(url + "/stats") as resp:
+            assert (await resp.json())["cap"] == 2
+        proc.send_signal(sig)
+        _, err = await asyncio.wait_for(proc.communicate(), 10)
+        assert proc.returncode == 0, err.decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,244 @@
+"""The relay end to end: a real proxy in front of a real fake provider, over loopback HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import logging
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from .conftest import chat, provider_yaml, wait_until
+
+pytestmark = pytest.mark.asyncio
+
+
+async def test_openai_sdk_non_streaming_and_streaming(start_upstream, start_proxy) -> None:
+    upstream = await start_upstream(chunks=10, delay_ms=50)
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    sdk = openai.AsyncOpenAI(base_url=f"{proxy.url}/openai", api_key="client-key", max_retries=0)
+    answer = await sdk.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content
+
+    started = time.monotonic()
+    stream = await sdk.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    arrivals: list[float] = []
+    text = []
+    async for chunk in stream:
+        arrivals.append(time.monotonic() - started)
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+    await sdk.close()
+    assert len(text) == 10
+    # The upstream writes its last content chunk ~450 ms after its first; the first
+    # must reach the client long before that (no buffering anywhere).
+    assert arrivals[0] < arrivals[-1] - 0.3, arrivals
+    assert proxy.status()["in_flight"] == 0
+
+
+async def test_twenty_streams_never_exceed_the_upstream_cap(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream(cap=3, chunks=5, delay_ms=20)
+    proxy = await start_proxy(provider_yaml(upstream, limit=3))
+
+    async def one(i: int) -> tuple[int, bytes]:
+        async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(user=f"u{i}")) as resp:
+            return resp.status, await resp.read()
+
+    results = await asyncio.gather(*(one(i) for i in range(20)))
+    assert all(status == 200 and body.endswith(b"data: [DONE]\n\n") for status, body in results)
+    stats = upstream.fake.stats()
+    assert stats["max_concurrency"] == 3
+    assert stats["rate_limited"] == 0
+    status = proxy.status()
+    assert (status["in_flight"], status["queued"]) == (0, 0)
+
+
+async def test_queued_requests_reach_upstream_starred_then_oldest_then_newest(
+    start_upstream, start_proxy, client
+) -> None:
+    upstream = await start_upstream(chunks=1, delay_ms=1)
+    proxy = await start_proxy(provider_yaml(upstream, limit=1))
+    url = f"{proxy.url}/openai/chat/completions"
+    now_ms = int(time.time() * 1000)
+    holder = asyncio.create_task(client.post(url, json=chat(), headers={"x-fake-stall-ms": "400", "x-fake-tag": "holder"}))
+    await wait_until(lambda: proxy.status()["in_flight"] == 1, what="holder admitted")
+    waiters = [
+        ("new", {"X-Prompt-Started-At": str(now_ms)}),
+        ("old", {"X-Prompt-Started-At": str(now_ms - 600_000)}),
+        ("starred", {"X-Prompt-Started-At": str(now_ms), "X-Workspace-Starred": "true"}),
+    ]
+    tasks = []
+    for tag, headers in waiters:
+        tasks.append(asyncio.create_task(client.post(url, json=chat(), headers={**headers, "x-fake-tag": tag})))
+        await wait_until(lambda n=len(tasks): proxy.status()["queued"] == n, what=f"{tag} queued")
+    for response in await asyncio.gather(holder, *tasks):
+        assert response.status == 200
+        await response.read()
+        response.release()
+    assert [a["tag"] for a in upstream.fake.stats()["arrivals"]] == ["holder", "starred", "old", "new"]
+
+
+async def test_gzip_body_reaches_the_client_byte_identical(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    headers = {"x-fake-gzip": "1", "Accept-Encoding": "gzip"}
+    async with client.post(f"{upstream.url}/v1/chat/completions", json=chat(stream=False), headers=headers) as direct:
+        direct_body = await direct.read()
+    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(stream=False), headers=headers) as via:
+        via_body = await via.read()
+        assert via.headers["Content-Encoding"] == "gzip"
+        assert via.headers["Content-Length"] == str(len(via_body))
+    assert len(via_body) == len(direct_body)
+    assert json.loads(gzip.decompress(via_body))["object"] == "chat.completion"
+
+
+async def test_priority_headers_stripped_and_provider_key_replaces_client_auth(
+    start_upstream, start_proxy, client, monkeypatch, caplog
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    secret = "sk-provider-secret-0123456789"
+    monkeypatch.setenv("FAKE_PROVIDER_KEY", secret)
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2, api_key_env="FAKE_PROVIDER_KEY"))
+    headers = {
+        "Authorization": "Bearer client-own-key",
+        "X-Workspace-Id": "ws1",
+        "X-Workspace-Starred": "yes",
+        "X-Prompt-Started-At": "2026-01-01T00:00:00Z",
+        "X-Conversation-Id": "conv-7",
+        "X-Custom": "kept",
+    }
+    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(), headers=headers) as resp:
+        assert resp.status == 200
+        assert "X-Slotproxy-Queue-Ms" in resp.headers
+        await resp.read()
+    seen = upstream.fake.stats()["last_headers"]
+    assert seen["authorization"] == f"Bearer {secret}"
+    assert seen["x-custom"] == "kept"
+    for name in ("x-workspace-id", "x-workspace-starred", "x-prompt-started-at", "x-conversation-id"):
+        assert name not in seen
+    status_text = json.dumps(proxy.state.status())
+    metrics_text = proxy.state.metrics.render().decode()
+    for text in (caplog.text, status_text, metrics_text):
+        assert secret not in text
+
+
+async def test_x_api_key_auth_replaces_both_client_credentials(start_upstream, start_proxy, client, monkeypatch) -> None:
+    monkeypatch.setenv("FAKE_ANTHROPIC_KEY", "sk-ant-secret-abcdef")
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2, auth="x-api-key", api_key_env="FAKE_ANTHROPIC_KEY"))
+    headers = {"Authorization": "Bearer mine", "x-api-key": "mine-too"}
+    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(stream=False), headers=headers) as resp:
+        assert resp.status == 200
+    seen = upstream.fake.stats()["last_headers"]
+    assert seen["x-api-key"] == "sk-ant-secret-abcdef"
+    assert "authorization" not in seen
+
+
+async def test_unset_key_env_forwards_the_clients_own_authorization(start_upstream, start_proxy, client, monkeypatch) -> None:
+    monkeypatch.delenv("UNSET_PROVIDER_KEY", raising=False)
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2, api_key_env="UNSET_PROVIDER_KEY"))
+    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(stream=False),
+                           headers={"Authorization": "Bearer client-own"}) as resp:
+        assert resp.status == 200
+    assert upstream.fake.stats()["last_headers"]["authorization"] == "Bearer client-own"
+
+
+@pytest.mark.parametrize(
+    ("header", "value", "metric_label"),
+    [
+        ("X-Workspace-Starred", "maybe", "starred"),
+        ("X-Prompt-Started-At", "yesterday", "prompt_started_at"),
+        ("X-Prompt-Started-At", "99999999999999", "prompt_started_at"),
+        ("X-Prompt-Started-At", "1700000000", "prompt_started_at"),
+        ("X-Workspace-Id", "x" * 300, "workspace"),
+    ],
+)
+async def test_invalid_priority_header_falls_back_and_the_request_succeeds(
+    start_upstream, start_proxy, client, header, value, metric_label
+) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(), headers={header: value}) as resp:
+        assert resp.status == 200
+        await resp.read()
+    metrics = proxy.state.metrics.render().decode()
+    assert f'slotproxy_invalid_priority_headers_total{{header="{metric_label}"}} 1.0' in metrics
+
+
+async def test_routing_keeps_path_and_query(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    async with client.get(f"{proxy.url}/openai/models?limit=5") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["object"] == "list"
+        assert resp.headers["X-Slotproxy-Queue-Ms"] == "0"
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "code"),
+    [
+        ("/nope/chat/completions", 404, "unknown_provider"),
+        ("/_slotproxy/chat", 404, None),
+        ("/metrics/x", 404, "unknown_provider"),
+        ("/openai/a/../../etc/passwd", 400, "bad_request"),
+    ],
+)
+async def test_unroutable_paths_get_a_clear_error(start_upstream, start_proxy, path, status, code) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+    raw = (await reader.read()).decode()
+    writer.close()
+    assert raw.startswith(f"HTTP/1.1 {status}"), raw
+    if code:
+        assert f'"code": "{code}"' in raw
+    assert upstream.fake.stats()["requests"] == 0
+
+
+@pytest.mark.parametrize(
+    ("request_line", "status"),
+    [
+        ("GET http://127.0.0.1:1/openai/models HTTP/1.1", 400),
+        ("CONNECT example.com:443 HTTP/1.1", 405),
+    ],
+)
+async def test_never_an_open_proxy(start_upstream, start_proxy, request_line, status) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+    writer.write(f"{request_line}\r\nHost: example.com\r\nConnection: close\r\n\r\n".encode())
+    raw = (await reader.read()).decode()
+    writer.close()
+    assert raw.startswith(f"HTTP/1.1 {status}"), raw
+    assert upstream.fake.stats()["requests"] == 0
+
+
+async def test_body_over_max_body_gets_413_and_takes_no_slot(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy("server: {max_body: 1KiB}\n" + provider_yaml(upstream, limit=1))
+    async with client.post(f"{proxy.url}/openai/chat/completions", data=b"x" * 4096) as resp:
+        assert resp.status == 413
+        assert (await resp.json())["error"]["code"] == "body_too_large"
+    assert proxy.status()["in_flight"] == 0
+    assert proxy.state.backend.provider_status("openai").counters["granted"] == 0
+
+
+async def test_methods_outside_slot_methods_take_no_slot(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream(chunks=1, delay_ms=1)
+    proxy = await start_proxy(provider_yaml(upstream, limit=1))
+    url = f"{proxy.url}/openai/chat/completions"
+    holder = asyncio.create_task(client.post(url, json=chat(), headers={"x-fake-stall-ms": "300"}))
+    await wait_until(lambda: proxy.status()["in_flight"] == 1)
+    async with client.get(f"{proxy.url}/openai/models") as resp:
+        assert resp.status == 200
+    assert proxy.status()["in_flight"] == 1
+    (await holder).release()
