@@ -11,6 +11,7 @@ import time
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from .conftest import chat, provider_yaml, wait_until
 
@@ -84,18 +85,36 @@ async def test_queued_requests_reach_upstream_starred_then_oldest_then_newest(
     assert [a["tag"] for a in upstream.fake.stats()["arrivals"]] == ["holder", "starred", "old", "new"]
 
 
-async def test_gzip_body_reaches_the_client_byte_identical(start_upstream, start_proxy, client) -> None:
-    upstream = await start_upstream()
-    proxy = await start_proxy(provider_yaml(upstream, limit=2))
-    headers = {"x-fake-gzip": "1", "Accept-Encoding": "gzip"}
-    async with client.post(f"{upstream.url}/v1/chat/completions", json=chat(stream=False), headers=headers) as direct:
-        direct_body = await direct.read()
-    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(stream=False), headers=headers) as via:
-        via_body = await via.read()
-        assert via.headers["Content-Encoding"] == "gzip"
-        assert via.headers["Content-Length"] == str(len(via_body))
-    assert len(via_body) == len(direct_body)
-    assert json.loads(gzip.decompress(via_body))["object"] == "chat.completion"
+async def test_gzip_body_reaches_the_client_byte_identical(start_proxy, client) -> None:
+    payload = gzip.compress(json.dumps({"object": "chat.completion", "pad": "x" * 5000}).encode(), mtime=0)
+
+    async def gzipped(request: web.Request) -> web.StreamResponse:
+        if request.query.get("chunked"):
+            response = web.StreamResponse(headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+            await response.prepare(request)
+            for i in range(0, len(payload), 97):
+                await response.write(payload[i:i + 97])
+            await response.write_eof()
+            return response
+        return web.Response(body=payload, headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", gzipped)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        proxy = await start_proxy(f"state: {{path: null}}\nproviders:\n  openai: {{upstream: 'http://127.0.0.1:{port}/v1', limit: 1}}\n")
+        for query, length in (("", str(len(payload))), ("?chunked=1", None)):
+            async with client.post(f"{proxy.url}/openai/chat/completions{query}", json=chat(stream=False),
+                                   headers={"Accept-Encoding": "gzip"}) as via:
+                assert await via.read() == payload
+                assert via.headers["Content-Encoding"] == "gzip"
+                assert via.headers.get("Content-Length") == length
+    finally:
+        await runner.cleanup()
 
 
 async def test_priority_headers_stripped_and_provider_key_replaces_client_auth(

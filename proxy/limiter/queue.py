@@ -39,13 +39,15 @@ class Waiter:
     queued: bool = True
     timer: Timer | None = field(default=None, repr=False)
 
-    def sort_key(self) -> tuple[int, float, int]:
-        return (0 if self.starred else 1, self.priority.prompt_started_at, self.seq)
+    def sort_key(self) -> int:
+        """(starred, prompt start in ms, arrival) packed into one int: one C-level compare per heap step."""
+        started_ms = max(0, int(self.priority.prompt_started_at * 1000))
+        return ((0 if self.starred else 1) << 96) | (started_ms << 48) | self.seq
 
 
 class WaiterQueue:
     def __init__(self) -> None:
-        self._heap: list[tuple[tuple[int, float, int], Waiter]] = []
+        self._heap: list[tuple[int, Waiter]] = []
         self._live = 0
 
     def __len__(self) -> int:

@@ -1,0 +1,65 @@
+"""Status, health and readiness as a client reads them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from ..conftest import chat, provider_yaml, wait_until
+
+pytestmark = pytest.mark.asyncio
+
+PROVIDER_FIELDS = {
+    "provider", "limit", "configured_limit", "in_flight", "queued", "paused", "paused_until", "cooldown_ms",
+    "auto_reduced", "auto_reduced_from", "notice", "queue",
+}
+
+
+async def test_status_shows_every_field_and_the_queue_in_admission_order(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream(chunks=1, delay_ms=1)
+    proxy = await start_proxy(provider_yaml(upstream, limit=1, release_cooldown="250ms"))
+    url = f"{proxy.url}/openai/chat/completions"
+    holder = asyncio.create_task(client.post(url, json=chat(), headers={"x-fake-stall-ms": "500"}))
+    await wait_until(lambda: proxy.status()["in_flight"] == 1)
+    started = int(time.time() * 1000) - 60_000
+    queued = [
+        asyncio.create_task(client.post(url, json=chat(), headers={"X-Workspace-Id": "alpha", "X-Conversation-Id": "c-1"})),
+        asyncio.create_task(client.post(url, json=chat(), headers={
+            "X-Workspace-Id": "beta", "X-Prompt-Started-At": str(started)})),
+    ]
+    await wait_until(lambda: proxy.status()["queued"] == 2)
+    async with client.get(f"{proxy.url}/_slotproxy/status") as resp:
+        assert resp.status == 200
+        body = await resp.json()
+    assert set(body) == {"providers", "config"}
+    assert set(body["config"]) == {"path", "loaded_at", "error"}
+    (entry,) = body["providers"]
+    assert set(entry) == PROVIDER_FIELDS
+    assert (entry["limit"], entry["configured_limit"], entry["in_flight"], entry["queued"]) == (1, 1, 1, 2)
+    assert (entry["paused"], entry["paused_until"], entry["cooldown_ms"]) == (False, None, 250)
+    assert [w["workspace"] for w in entry["queue"]] == ["beta", "alpha"]
+    assert entry["queue"][0]["prompt_started_at"] == started
+    assert entry["queue"][1]["conversation"] == "c-1"
+    assert all(isinstance(w["waited_ms"], int) for w in entry["queue"])
+    for response in await asyncio.gather(holder, *queued):
+        await response.read()
+        response.release()
+
+
+async def test_health_and_readiness(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=1))
+    async with client.get(f"{proxy.url}/healthz") as resp:
+        assert resp.status == 200
+    async with client.get(f"{proxy.url}/readyz") as resp:
+        assert resp.status == 200
+    proxy.state.shutting_down = True
+    async with client.get(f"{proxy.url}/readyz") as resp:
+        assert resp.status == 503
+        assert "shutting down" in (await resp.json())["reasons"]
+    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat()) as resp:
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "shutting_down"

@@ -1,0 +1,144 @@
+"""The command line as a user runs it: real subprocesses, real files, loopback only."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *args],
+        cwd=cwd or REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 15) -> bytes:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.read()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_check_reports_every_problem_with_its_key_path(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(textwrap.dedent("""\
+        providers:
+          openai:
+            upstream: https://api.openai.com/v1
+            limit: many
+          anthropic:
+            limt: 4
+        """))
+    result = run_cli("check", "--config", str(config))
+    assert result.returncode == 2
+    err = result.stderr
+    assert "providers.openai.limit: must be a positive integer or null (line 4)" in err
+    assert "providers.anthropic.limt: unknown key (did you mean 'limit'?)" in err
+    assert "providers.anthropic.upstream: required key is missing" in err
+
+
+def test_check_prints_the_effective_config_with_secrets_masked(tmp_path: Path) -> None:
+    config = tmp_path / "ok.yaml"
+    config.write_text(textwrap.dedent("""\
+        providers:
+          openai:
+            upstream: https://api.openai.com/v1
+            limit: 3
+            usage: {url: 'https://example.invalid/usage', field: a.b, headers: {Authorization: Bearer sk-secret-123456}}
+        """))
+    result = run_cli("check", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "valid" in result.stdout
+    assert "sk-secret-123456" not in result.stdout
+    assert "limit: 3" in result.stdout
+
+
+def test_serve_without_a_config_names_every_place_it_looked(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SLOTPROXY_CONFIG"}
+    result = subprocess.run([sys.executable, "-m", "proxy", "serve"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "--config" in lines[0] and "$SLOTPROXY_CONFIG" in lines[0] and "slotproxy.yaml" in lines[0]
+
+
+def test_serve_refuses_a_non_loopback_bind_without_an_admin_token() -> None:
+    env = {"SLOTPROXY_ADMIN_TOKEN": ""}
+    result = run_cli("serve", "--config", "config.example.yaml", "--host", "0.0.0.0", "--port", str(free_port()),
+                     env=env)
+    assert result.returncode == 2
+    assert "SLOTPROXY_ADMIN_TOKEN" in result.stderr and "admin.allow_unauthenticated" in result.stderr
+
+
+def test_readme_serve_command_runs_the_example_config_and_status_reads_it(tmp_path: Path) -> None:
+    """README: `slotproxy serve --config config.example.yaml` (port overridden to stay out of the way)."""
+    port = free_port()
+    config = tmp_path / "example.yaml"
+    config.write_text((REPO / "config.example.yaml").read_text().replace(
+        "path: slotproxy-state.json", f"path: {tmp_path / 'state.json'}"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        assert json.loads(wait_http(f"http://127.0.0.1:{port}/healthz"))["ok"] is True
+        assert json.loads(wait_http(f"http://127.0.0.1:{port}/readyz"))["ready"] is True
+        table = run_cli("status", "--url", f"http://127.0.0.1:{port}")
+        assert table.returncode == 0, table.stderr
+        assert table.stdout.splitlines()[0].split()[:3] == ["PROVIDER", "LIMIT", "CONFIGURED"]
+        assert any(line.startswith("openai") and " 8 " in line for line in table.stdout.splitlines())
+        as_json = json.loads(run_cli("status", "--url", f"http://127.0.0.1:{port}", "--json").stdout)
+        assert [p["provider"] for p in as_json["providers"]] == ["openai", "anthropic"]
+    finally:
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=40)
+    assert process.returncode == 0, err
+    assert "slotproxy stopped" in err
+
+
+def test_status_against_nothing_fails_clearly() -> None:
+    result = run_cli("status", "--url", f"http://127.0.0.1:{free_port()}")
+    assert result.returncode == 2
+    assert "cannot read status" in result.stderr
+
+
+def test_schema_command_prints_the_committed_schema() -> None:
+    result = run_cli("schema")
+    assert result.returncode == 0
+    assert json.loads(result.stdout) == json.loads((REPO / "slotproxy.schema.json").read_text())
+
+
+@pytest.mark.parametrize("command", [["serve", "--help"], ["fake-upstream", "--help"], ["check", "--help"]])
+def test_help_lists_the_spec_flags(command: list[str]) -> None:
+    result = run_cli(*command)
+    assert result.returncode == 0
+    flags = {"serve": ["--config", "--host", "--port"], "fake-upstream": ["--port", "--cap", "--chunks",
+             "--delay-ms", "--lag-ms"], "check": ["--config"]}[command[0]]
+    for flag in flags:
+        assert flag in result.stdout
