@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -20,6 +21,8 @@ from .errors import BadRequest, ProxyError, UnknownProvider
 from .headers import PriorityHeaders
 from .limiter import Lease, LimiterSettings
 from .relay import PROVIDER, STATE, error_response, proxy_handler
+from .state import StateStore
+from .usage import UsagePoller
 
 __all__ = ["ProxyState", "build_app", "limiter_settings", "start_server"]
 
@@ -48,11 +51,16 @@ class ProxyState:
         self.config_error: str | None = None
         self.backend: Backend = backend or MemoryBackend()
         self.metrics = Metrics(self.backend.statistics)
+        self.store = StateStore(_state_path(config, config_path))
+        self._star_overrides: dict[str, bool] = {}
+        self._save_pending = False
         self.shutting_down = False
         self.active_requests = 0
         self.idle = asyncio.Event()
         self.idle.set()
         self._sessions: dict[bool, aiohttp.ClientSession] = {}
+        self._pollers: dict[str, UsagePoller] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
         self._timeouts: dict[tuple[float, float], aiohttp.ClientTimeout] = {}
         self.apply(config)
 
@@ -66,13 +74,69 @@ class ProxyState:
             prompt_started_at=config.headers.prompt_started_at,
             conversation=config.headers.conversation,
         )
+        self._forget_overrides_changed_in_yaml(config)
         self.backend.configure(
             {name: limiter_settings(settings) for name, settings in providers.items()},
-            frozenset(config.workspaces.starred),
+            self._effective_stars(config),
         )
         self._providers = providers
         self.config = config
         self.loaded_at = time.time()
+        self._sync_pollers(providers)
+
+    def _sync_pollers(self, providers: dict[str, ProviderSettings]) -> None:
+        """One usage poller per provider with a ``usage:`` block; a changed block restarts it."""
+        for name, poller in list(self._pollers.items()):
+            settings = providers.get(name)
+            if settings is None or settings.usage != poller.usage:
+                del self._pollers[name]
+                task = asyncio.get_running_loop().create_task(poller.stop())
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
+        for name, settings in providers.items():
+            if settings.usage is not None and name not in self._pollers:
+                poller = UsagePoller(name, settings.usage, self.backend.limiter(name),
+                                     self.session_for(settings), self.backend.clock)
+                poller.start()
+                self._pollers[name] = poller
+
+    # ----- runtime changes (admin API) and the state file ---------------------------
+
+    def _effective_stars(self, config: Config) -> frozenset[str]:
+        from_yaml = {w for w in config.workspaces.starred if self._star_overrides.get(w, True)}
+        return frozenset(from_yaml | {w for w, starred in self._star_overrides.items() if starred})
+
+    def _forget_overrides_changed_in_yaml(self, config: Config) -> None:
+        """A YAML edit of a workspace's star is a manual act: it wins over the admin API's override."""
+        if not hasattr(self, "_providers"):
+            return
+        before, after = set(self.config.workspaces.starred), set(config.workspaces.starred)
+        for workspace in before ^ after:
+            self._star_overrides.pop(workspace, None)
+
+    def set_star(self, workspace: str, starred: bool) -> frozenset[str]:
+        self._star_overrides[workspace] = starred
+        stars = self._effective_stars(self.config)
+        self.backend.set_starred(stars)
+        log.info("workspace=%s %s via the admin API", workspace, "starred" if starred else "unstarred")
+        self.schedule_save()
+        return stars
+
+    def schedule_save(self) -> None:
+        """Coalesce a burst of changes into one atomic write at the end of this loop turn."""
+        if self.store.path is None or self._save_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.save_state()
+            return
+        self._save_pending = True
+        loop.call_soon(self.save_state)
+
+    def save_state(self) -> None:
+        self._save_pending = False
+        self.store.save({"providers": self.backend.export_state(), "star_overrides": self._star_overrides})
 
     def request_started(self) -> None:
         self.active_requests += 1
@@ -136,10 +200,23 @@ class ProxyState:
         }
 
     async def close(self) -> None:
+        for poller in self._pollers.values():
+            await poller.stop()
+        self._pollers.clear()
         for session in self._sessions.values():
             await session.close()
         self._sessions.clear()
         await self.backend.close()
+
+
+def _state_path(config: Config, config_path: str | None) -> Path | None:
+    """A relative state path is taken relative to the config file, like nginx's prefix."""
+    if config.state.path is None:
+        return None
+    path = Path(config.state.path)
+    if not path.is_absolute() and config_path is not None:
+        path = Path(config_path).resolve().parent / path
+    return path
 
 
 def _auth_header(settings: ProviderSettings) -> tuple[str, str] | None:

@@ -17,6 +17,7 @@ __all__ = [
     "forward_request_headers",
     "forward_response_headers",
     "parse_priority",
+    "valid_label",
 ]
 
 HOP_BY_HOP = frozenset({
@@ -47,11 +48,16 @@ class PriorityHeaders:
         return frozenset(n.lower() for n in (self.workspace, self.starred, self.prompt_started_at, self.conversation))
 
 
+def valid_label(value: str) -> bool:
+    """A workspace or conversation id: printable ASCII, no leading space, at most 256 chars."""
+    return len(value) <= _MAX_LABEL and bool(_LABEL.match(value))
+
+
 def _label(value: str | None) -> str | None:
     if value is None:
         return None
     value = value.strip()
-    if len(value) > _MAX_LABEL or not _LABEL.match(value):
+    if not valid_label(value):
         raise ValueError(value)
     return value
 

@@ -70,6 +70,9 @@ class _NoSlot:
     def release(self) -> None:
         return None
 
+    def headers_received(self) -> None:
+        return None
+
 
 class _Retry(Exception):
     """A backoff answer arrived before any byte reached the client; try again after the pause."""
@@ -215,6 +218,7 @@ class Exchange:
             allow_redirects=False,
             timeout=self.state.client_timeout(self.settings),
         ) as upstream:
+            lease.headers_received()
             if upstream.status in self.settings.backoff_statuses:
                 return await self._relay_backoff(upstream, lease, retry_allowed)
             return await self._stream(upstream, lease)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..relay import STATE
+from . import api
 from .metrics import CONTENT_TYPE
 
 __all__ = ["add_routes"]
@@ -40,3 +41,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    api.add_routes(app)

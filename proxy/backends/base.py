@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from ..errors import ProxyError
-from ..limiter import Lease, LimiterSettings, Priority, ProviderStatus
+from ..limiter import Clock, Lease, LimiterSettings, Priority, ProviderLimiter, ProviderStatus
 
 __all__ = ["Backend"]
 
 
 class Backend(Protocol):
+    clock: Clock
+    on_change: Callable[[], None] | None
+
+    def limiter(self, provider: str) -> ProviderLimiter:
+        """The provider's limiter core (the usage gate attaches to it)."""
+
     def configure(self, providers: Mapping[str, LimiterSettings], starred: frozenset[str]) -> None:
         """Apply a (re)loaded config: add, update and retire providers; nothing in flight is dropped."""
 
@@ -35,6 +41,11 @@ class Backend(Protocol):
     def statistics(self) -> list[ProviderStatus]: ...
 
     def provider_status(self, provider: str) -> ProviderStatus: ...
+
+    def export_state(self) -> dict[str, dict[str, object]]:
+        """Each provider's runtime state, for the state file."""
+
+    def restore_state(self, provider: str, state: dict[str, object]) -> None: ...
 
     def shed_queues(self, error: ProxyError) -> int:
         """Reject every waiter with ``error`` (graceful shutdown)."""

@@ -13,7 +13,7 @@ __all__ = ["MemoryBackend"]
 
 class MemoryBackend:
     def __init__(self, clock: Clock | None = None) -> None:
-        self._clock = clock or LoopClock()
+        self.clock: Clock = clock or LoopClock()
         self._limiters: dict[str, ProviderLimiter] = {}
         self._retired: dict[str, ProviderLimiter] = {}
         self._starred: frozenset[str] = frozenset()
@@ -26,7 +26,7 @@ class MemoryBackend:
         for name, settings in providers.items():
             limiter = self._limiters.get(name) or self._retired.pop(name, None)
             if limiter is None:
-                limiter = ProviderLimiter(name, settings, self._clock, starred=starred)
+                limiter = ProviderLimiter(name, settings, self.clock, starred=starred)
                 limiter.on_change = self._changed
             else:
                 limiter.apply_settings(settings)
@@ -109,6 +109,13 @@ class MemoryBackend:
 
     def provider_status(self, provider: str) -> ProviderStatus:
         return self.limiter(provider).statistics()
+
+    def export_state(self) -> dict[str, dict[str, object]]:
+        return {name: limiter.export_state() for name, limiter in self._limiters.items()}
+
+    def restore_state(self, provider: str, state: dict[str, object]) -> None:
+        if provider in self._limiters:
+            self._limiters[provider].restore_state(state)
 
     def shed_queues(self, error: ProxyError) -> int:
         return sum(limiter.shed(error) for limiter in [*self._limiters.values(), *self._retired.values()])

@@ -341,6 +341,7 @@ class Usage(_Frozen):
     field: DottedPath
     headers: dict[HeaderName, str] = Field(default_factory=dict)
     interval: PositiveDuration = 1.0
+    busy_interval: PositiveDuration = 0.1
 
 
 class Defaults(_Frozen):

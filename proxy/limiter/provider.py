@@ -65,11 +65,16 @@ class AdmissionGate(Protocol):
     def admitted(self) -> None:
         """One request was just admitted."""
 
+    def request_poll(self) -> None:
+        """Something changed (a release, a new waiter): look at upstream again."""
+
+    def status(self) -> dict[str, object]: ...
+
 
 class Lease:
     """A held slot. ``release()`` may be called any number of times; only the first counts."""
 
-    __slots__ = ("_limiter", "granted_at", "on_reclaim", "priority", "queue_wait",
+    __slots__ = ("_limiter", "granted_at", "headers_at", "on_reclaim", "priority", "queue_wait",
                  "reclaimed", "released", "seq", "_watchdog")
 
     def __init__(
@@ -81,12 +86,17 @@ class Lease:
         self.granted_at = granted_at
         self.queue_wait = queue_wait
         self.on_reclaim: Callable[[], None] | None = None
+        self.headers_at: float | None = None
         self.released = False
         self.reclaimed = False
         self._watchdog: Timer | None = None
 
     def release(self) -> None:
         self._limiter._release(self)
+
+    def headers_received(self) -> None:
+        """Upstream answered with headers: from now on its usage count includes this request."""
+        self.headers_at = self._limiter._clock.time()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +125,7 @@ class ProviderStatus:
     notice: str | None
     queue: tuple[WaiterStatus, ...] = ()
     counters: dict[str, int] = field(default_factory=dict)
+    usage: dict[str, object] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -139,7 +150,16 @@ class ProviderStatus:
                 }
                 for w in self.queue
             ],
+            "usage": self.usage,
+            "rejected": {
+                "queue_full": self.counters.get("queue_full", 0),
+                "queue_timeout": self.counters.get("queue_timeouts", 0),
+            },
         }
+
+
+def _optional_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 def _ms(seconds: float) -> int:
@@ -172,6 +192,7 @@ class ProviderLimiter:
         self._notice: str | None = None
         self._recovery_timer: Timer | None = None
         self._dispatching = False
+        self._active: set[Lease] = set()
         self.gate: AdmissionGate | None = None
         self.on_change: Callable[[], None] | None = None
         self.counters = {
@@ -231,6 +252,8 @@ class ProviderLimiter:
         if self._settings.queue_timeout is not None:
             waiter.timer = self._clock.call_later(self._settings.queue_timeout, lambda: self._expire(waiter))
         self._dispatch()
+        if waiter.queued and self.gate is not None:
+            self.gate.request_poll()
         return waiter
 
     def cancel(self, waiter: Waiter) -> None:
@@ -297,6 +320,7 @@ class ProviderLimiter:
         now = self._clock.time()
         lease = Lease(self, priority, seq, granted_at=now, queue_wait=queue_wait)
         self._held += 1
+        self._active.add(lease)
         self.counters["granted"] += 1
         if self.gate is not None:
             self.gate.admitted()
@@ -326,6 +350,17 @@ class ProviderLimiter:
         finally:
             self._dispatching = False
 
+    def dispatch(self) -> None:
+        """Grant whoever may go now (after a usage poll answered, say)."""
+        self._dispatch()
+
+    def unseen_since(self, sent_at: float) -> int:
+        """Held slots a usage figure measured at ``sent_at`` may not include yet."""
+        return sum(
+            1 for lease in self._active
+            if lease.granted_at > sent_at or lease.headers_at is None or lease.headers_at > sent_at
+        )
+
     # ----- releasing -------------------------------------------------------------
 
     def _release(self, lease: Lease) -> None:
@@ -334,7 +369,7 @@ class ProviderLimiter:
         lease.released = True
         if lease._watchdog is not None:
             lease._watchdog.cancel()
-        self._free_slot()
+        self._free_slot(lease)
 
     def _reclaim(self, lease: Lease) -> None:
         """The watchdog: a slot held past slot_timeout is taken back and its holder told to abort."""
@@ -348,10 +383,13 @@ class ProviderLimiter:
         )
         if lease.on_reclaim is not None:
             lease.on_reclaim()
-        self._free_slot()
+        self._free_slot(lease)
 
-    def _free_slot(self) -> None:
+    def _free_slot(self, lease: Lease) -> None:
         self._held -= 1
+        self._active.discard(lease)
+        if self.gate is not None:
+            self.gate.request_poll()
         if self._cooldown > 0:
             self._cooling += 1
             self._clock.call_later(self._cooldown, self._end_cooldown)
@@ -396,7 +434,6 @@ class ProviderLimiter:
         self._pause_timer = None
         log.info("provider=%s pause ended; %d waiting", self.name, len(self._queue))
         self._dispatch()
-        self._changed()
 
     def _auto_reduce(self, cause: str) -> None:
         if self._limit is None or self._limit <= 1:
@@ -482,15 +519,24 @@ class ProviderLimiter:
             "auto_reduced_from": self._auto_reduced_from,
             "notice": self._notice,
             "cooldown": self._cooldown,
+            "configured_cooldown": self._settings.release_cooldown,
         }
 
     def restore_state(self, state: dict[str, Any]) -> None:
-        """Apply persisted runtime state (limit, auto-reduction mark and notice, cooldown)."""
-        self._limit = validate_limit(state.get("limit", self._limit))
-        self._auto_reduced_from = state.get("auto_reduced_from")
-        self._notice = state.get("notice")
-        if state.get("cooldown") is not None:
-            self._cooldown = float(state["cooldown"])
+        """Apply persisted runtime state over the config.
+
+        A value whose configured counterpart changed since it was saved is skipped:
+        an edit of the YAML is a manual act and wins.
+        """
+        if state.get("configured_limit", self._settings.limit) == self._settings.limit:
+            self._limit = validate_limit(state.get("limit", self._limit))
+            self._auto_reduced_from = _optional_int(state.get("auto_reduced_from"))
+            notice = state.get("notice")
+            self._notice = notice if isinstance(notice, str) and self._auto_reduced_from is not None else None
+        cooldown = state.get("cooldown")
+        same_cooldown = state.get("configured_cooldown", self._settings.release_cooldown) == self._settings.release_cooldown
+        if same_cooldown and isinstance(cooldown, (int, float)) and cooldown >= 0:
+            self._cooldown = float(cooldown)
         self._arm_recovery()
         self._dispatch()
 
@@ -528,4 +574,5 @@ class ProviderLimiter:
             notice=self._notice,
             queue=queue,
             counters=dict(self.counters),
+            usage=self.gate.status() if self.gate is not None else None,
         )

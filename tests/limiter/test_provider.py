@@ -375,7 +375,7 @@ def test_statistics_has_every_status_field() -> None:
     data = limiter.statistics().to_dict()
     assert set(data) == {
         "provider", "limit", "configured_limit", "in_flight", "queued", "paused", "paused_until",
-        "cooldown_ms", "auto_reduced", "auto_reduced_from", "notice", "queue",
+        "cooldown_ms", "auto_reduced", "auto_reduced_from", "notice", "queue", "usage", "rejected",
     }
     assert data["cooldown_ms"] == 250
     assert data["queue"] == [{

@@ -1,0 +1,135 @@
+"""Admin API writes: limits, cooldowns and stars, behind an optional bearer token."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import os
+from typing import Any
+
+from aiohttp import web
+
+from ..errors import AdminError
+from ..headers import valid_label
+from ..limiter import validate_limit
+from ..relay import STATE
+
+__all__ = ["add_routes"]
+
+log = logging.getLogger("slotproxy.admin")
+
+MAX_LIMIT = 100_000
+MAX_COOLDOWN_MS = 3_600_000
+_MAX_BODY = 4096
+
+
+def _error(exc: AdminError) -> web.Response:
+    body = {"error": {"message": exc.message, "type": "slotproxy_error", "code": exc.code}}
+    return web.json_response(body, status=exc.status)
+
+
+def authorize(request: web.Request) -> None:
+    """Writes need ``Authorization: Bearer <token>`` when the admin token env var is set."""
+    state = request.app[STATE]
+    token = os.environ.get(state.config.admin.token_env, "")
+    if not token:
+        return
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if not header or scheme.lower() != "bearer" or not given:
+        raise AdminError(f"admin writes need 'Authorization: Bearer <token>' (the token is in ${state.config.admin.token_env})",
+                         status=401, code="forbidden")
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise AdminError("the admin token is wrong", status=403, code="forbidden")
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    raw = await request.content.read(_MAX_BODY + 1)
+    if len(raw) > _MAX_BODY:
+        raise AdminError(f"body over {_MAX_BODY} bytes")
+    try:
+        body = json.loads(raw or b"null")
+    except ValueError as exc:
+        raise AdminError(f"body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise AdminError("body must be a JSON object")
+    return body
+
+
+def _provider(request: web.Request) -> str:
+    name = request.match_info["id"]
+    if not request.app[STATE].backend.has_provider(name):
+        raise AdminError(f"unknown provider '{name}'", status=404, code="unknown_provider")
+    return name
+
+
+def _limit_from(body: dict[str, Any]) -> int | None:
+    if set(body) != {"limit"}:
+        raise AdminError('body must be {"limit": <positive integer or null>}')
+    try:
+        limit = validate_limit(body["limit"])
+    except ValueError as exc:
+        raise AdminError(str(exc)) from exc
+    if limit is not None and limit > MAX_LIMIT:
+        raise AdminError(f"limit must be at most {MAX_LIMIT}, got {limit}")
+    return limit
+
+
+def _cooldown_from(body: dict[str, Any]) -> float:
+    value = body.get("cooldown_ms")
+    if set(body) != {"cooldown_ms"} or isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AdminError('body must be {"cooldown_ms": <milliseconds, a number >= 0>}')
+    if not math.isfinite(value) or not 0 <= value <= MAX_COOLDOWN_MS:
+        raise AdminError(f"cooldown_ms must be between 0 and {MAX_COOLDOWN_MS}, got {value}")
+    return value / 1000.0
+
+
+async def put_limit(request: web.Request) -> web.Response:
+    try:
+        authorize(request)
+        provider = _provider(request)
+        limit = _limit_from(await _json_object(request))
+    except AdminError as exc:
+        return _error(exc)
+    state = request.app[STATE]
+    state.backend.set_limit(provider, limit)
+    log.info("provider=%s limit set to %s via the admin API", provider, "unlimited" if limit is None else limit)
+    return web.json_response(state.backend.provider_status(provider).to_dict())
+
+
+async def put_cooldown(request: web.Request) -> web.Response:
+    try:
+        authorize(request)
+        provider = _provider(request)
+        seconds = _cooldown_from(await _json_object(request))
+    except AdminError as exc:
+        return _error(exc)
+    state = request.app[STATE]
+    state.backend.set_cooldown(provider, seconds)
+    log.info("provider=%s release cooldown set to %gms via the admin API", provider, seconds * 1000)
+    return web.json_response(state.backend.provider_status(provider).to_dict())
+
+
+async def star(request: web.Request) -> web.Response:
+    try:
+        authorize(request)
+        workspace = request.match_info["id"]
+        if not valid_label(workspace):
+            raise AdminError(f"'{workspace[:64]}' is not a valid workspace id")
+        state = request.app[STATE]
+        starred = request.method == "PUT"
+        if not starred and workspace not in state.backend.starred():
+            raise AdminError(f"workspace '{workspace}' is not starred", status=404, code="unknown_provider")
+    except AdminError as exc:
+        return _error(exc)
+    stars = state.set_star(workspace, starred)
+    return web.json_response({"workspace": workspace, "starred": starred, "starred_workspaces": sorted(stars)})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_put("/_slotproxy/providers/{id}/limit", put_limit)
+    app.router.add_put("/_slotproxy/providers/{id}/cooldown", put_cooldown)
+    app.router.add_put("/_slotproxy/workspaces/{id}/star", star)
+    app.router.add_delete("/_slotproxy/workspaces/{id}/star", star)

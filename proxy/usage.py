@@ -1,0 +1,118 @@
+"""Polling a provider's usage endpoint for the usage gate (the I/O half of the gate)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+
+from .config.model import Usage
+from .limiter import Clock, ProviderLimiter
+from .limiter.gate import UsageGate
+
+__all__ = ["UsagePoller", "read_field"]
+
+log = logging.getLogger("slotproxy.usage")
+
+
+class UsagePollError(Exception):
+    """A usage poll that answered, but not with a usable count."""
+
+
+def read_field(document: Any, dotted: str) -> float:
+    """The number at a dotted path (``data.active_sessions``; list items by index)."""
+    value = document
+    for part in dotted.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            raise UsagePollError(f"field '{dotted}' not found (stopped at '{part}')")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise UsagePollError(f"field '{dotted}' is {value!r}, not a non-negative number")
+    return float(value)
+
+
+class UsagePoller:
+    """One provider's poll loop: on demand (release, admission, new waiter) and every interval while waiters wait.
+
+    Polls never overlap: a request for a poll while one is running is kept in an
+    Event and causes exactly one more poll after it.
+    """
+
+    def __init__(self, name: str, usage: Usage, limiter: ProviderLimiter, session: aiohttp.ClientSession,
+                 clock: Clock) -> None:
+        self.usage = usage
+        self._limiter = limiter
+        self._session = session
+        self._clock = clock
+        self._wanted = asyncio.Event()
+        self._timeout = aiohttp.ClientTimeout(total=usage.interval)
+        self.gate = UsageGate(
+            name, clock,
+            limit=lambda: limiter.limit,
+            unseen_since=limiter.unseen_since,
+            request_poll=self._wanted.set,
+            permit_ttl=usage.interval,
+        )
+        limiter.gate = self.gate
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._limiter.gate is self.gate:
+            self._limiter.gate = None
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def _next_poll_in(self) -> float | None:
+        """Nobody waits: only on demand. Waiters and the last poll said full: busy_interval. Else interval."""
+        if not self._limiter.queued:
+            return None
+        if self.gate.failing or self.gate.admits():
+            return self.usage.interval
+        return min(self.usage.busy_interval, self.usage.interval)
+
+    async def _run(self) -> None:
+        while True:
+            interval = self._next_poll_in()
+            try:
+                await asyncio.wait_for(self._wanted.wait(), interval)
+            except TimeoutError:
+                pass
+            self._wanted.clear()
+            await self.poll_once()
+            self._limiter.dispatch()
+
+    async def poll_once(self) -> None:
+        sent_at = self._clock.time()
+        try:
+            async with self._session.get(self.usage.url, headers=dict(self.usage.headers),
+                                         timeout=self._timeout, allow_redirects=False) as response:
+                if response.status != 200:
+                    raise UsagePollError(f"HTTP {response.status}")
+                document = await response.json(content_type=None)
+            count = read_field(document, self.usage.field)
+        except (aiohttp.ClientError, TimeoutError, ValueError, UsagePollError) as exc:
+            self.gate.poll_failed(_describe(exc))
+            return
+        self.gate.poll_succeeded(count, sent_at)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, UsagePollError):
+        return str(exc)
+    if isinstance(exc, ValueError):
+        return "invalid JSON"
+    return type(exc).__name__
