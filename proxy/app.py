@@ -62,7 +62,19 @@ class ProxyState:
         self._pollers: dict[str, UsagePoller] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._timeouts: dict[tuple[float, float], aiohttp.ClientTimeout] = {}
+        self.config = config
+        restored = self.store.load()
+        if restored is not None:
+            overrides = restored.get("star_overrides") or {}
+            if isinstance(overrides, dict):
+                self._star_overrides = {str(w): bool(v) for w, v in overrides.items()}
         self.apply(config)
+        if restored is not None:
+            for name, entry in (restored.get("providers") or {}).items():
+                if isinstance(entry, dict) and self.backend.has_provider(name):
+                    self.backend.restore_state(name, entry)
+            log.info("runtime state restored from %s", self.store.path)
+        self.backend.on_change = self.schedule_save
 
     def apply(self, config: Config) -> None:
         """Swap in a validated config; the backend keeps everything queued and in flight."""

@@ -1,0 +1,158 @@
+"""Runtime state across restarts: restore, YAML wins, corrupt files set aside, kill -9 never tears it."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from proxy.app import ProxyState
+from proxy.config import parse_config
+from proxy.limiter import auto_reduce_notice
+from proxy.state import STATE_VERSION
+
+from .test_cli import free_port, wait_http
+
+
+def config_text(state_path: Path, limit: int = 4, starred: str = "[]") -> str:
+    return textwrap.dedent(f"""\
+        state: {{path: '{state_path}'}}
+        workspaces: {{starred: {starred}}}
+        providers:
+          openai: {{upstream: 'http://127.0.0.1:9/v1', limit: {limit}}}
+          other: {{upstream: 'http://127.0.0.1:9/v2', limit: 5}}
+        """)
+
+
+async def restart(text: str) -> ProxyState:
+    state = ProxyState(parse_config(text))
+    return state
+
+
+async def test_restart_restores_reduction_manual_limit_cooldown_and_stars(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    first = await restart(config_text(path))
+    first.backend.report_backoff("openai", "429", 0.01, sent_at=time.time())
+    first.backend.set_limit("other", 2)
+    first.backend.set_cooldown("other", 1.5)
+    first.set_star("release-team", True)
+    first.save_state()
+    await first.close()
+
+    second = await restart(config_text(path))
+    openai_status = second.backend.provider_status("openai").to_dict()
+    assert (openai_status["limit"], openai_status["auto_reduced"], openai_status["auto_reduced_from"]) == (3, True, 4)
+    assert openai_status["notice"] == auto_reduce_notice(3, "429")
+    other = second.backend.provider_status("other").to_dict()
+    assert (other["limit"], other["configured_limit"], other["cooldown_ms"], other["auto_reduced"]) == (2, 5, 1500, False)
+    assert "release-team" in second.backend.starred()
+    await second.close()
+
+
+async def test_a_yaml_limit_edit_wins_over_the_state_file(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    first = await restart(config_text(path, limit=4))
+    first.backend.report_backoff("openai", "429", 0.01, sent_at=time.time())
+    first.save_state()
+    await first.close()
+    second = await restart(config_text(path, limit=6))
+    status = second.backend.provider_status("openai").to_dict()
+    assert (status["limit"], status["auto_reduced"], status["notice"]) == (6, False, None)
+    await second.close()
+
+
+async def test_unstarring_a_yaml_star_survives_a_restart_until_the_yaml_changes(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    first = await restart(config_text(path, starred="[team-a]"))
+    first.set_star("team-a", False)
+    first.save_state()
+    await first.close()
+    second = await restart(config_text(path, starred="[team-a]"))
+    assert "team-a" not in second.backend.starred()
+    second.apply(parse_config(config_text(path, starred="[]")))
+    second.apply(parse_config(config_text(path, starred="[team-a]")))
+    assert "team-a" in second.backend.starred()
+    await second.close()
+
+
+@pytest.mark.parametrize("content", ["{torn", "[]", '{"version": 99}', '{"version": 1, "providers": 3}'])
+async def test_a_corrupt_state_file_is_set_aside_not_fatal(tmp_path: Path, content: str, caplog) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(content)
+    state = await restart(config_text(path))
+    assert state.backend.provider_status("openai").limit == 4
+    aside = list(tmp_path.glob("state.json.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_text() == content
+    assert "unreadable" in caplog.text
+    state.backend.set_limit("openai", 2)
+    state.save_state()
+    assert json.loads(path.read_text())["version"] == STATE_VERSION
+    await state.close()
+
+
+def _hammer(port: int, stop: threading.Event) -> None:
+    rng = random.Random(port)
+    while not stop.is_set():
+        kind = rng.randrange(3)
+        if kind == 0:
+            path, body, method = "/_slotproxy/providers/openai/limit", {"limit": rng.randrange(1, 50)}, "PUT"
+        elif kind == 1:
+            path, body, method = "/_slotproxy/providers/other/cooldown", {"cooldown_ms": rng.randrange(0, 5000)}, "PUT"
+        else:
+            path, body, method = f"/_slotproxy/workspaces/ws{rng.randrange(20)}/star", {}, "PUT"
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                         method=method, headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=1).read()
+        except OSError:
+            return
+
+
+def test_kill_9_during_a_burst_of_changes_never_tears_the_state_file(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    config = tmp_path / "slotproxy.yaml"
+    config.write_text(config_text(path))
+    rng = random.Random(50)
+    valid_writes = 0
+    versions_seen: set[int] = set()
+    for _ in range(50):
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port),
+             "--log-level", "WARNING"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        stop = threading.Event()
+        try:
+            wait_http(f"http://127.0.0.1:{port}/healthz")
+            threads = [threading.Thread(target=_hammer, args=(port, stop)) for _ in range(3)]
+            for thread in threads:
+                thread.start()
+            time.sleep(rng.uniform(0.02, 0.15))
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+        finally:
+            stop.set()
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for thread in threads:
+            thread.join(timeout=5)
+        document = json.loads(path.read_text())
+        assert document["version"] == STATE_VERSION
+        assert set(document["providers"]) == {"openai", "other"}
+        versions_seen.add(document["written_at"])
+        valid_writes += 1
+    assert valid_writes == 50
+    assert len(versions_seen) >= 25, "the kills must land during bursts of writes"
+    assert not list(tmp_path.glob("state.json.corrupt-*"))
