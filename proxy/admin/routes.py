@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from aiohttp import web
 
 from ..relay import STATE
@@ -13,6 +15,18 @@ __all__ = ["add_routes"]
 
 async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATE].status())
+
+
+_DASHBOARD = Path(__file__).with_name("dashboard.html")
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    return web.Response(
+        body=_DASHBOARD.read_bytes(),
+        content_type="text/html",
+        charset="utf-8",
+        headers={"Cache-Control": "no-store", "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'"},
+    )
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -38,6 +52,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/_slotproxy/status", status)
+    app.router.add_get("/_slotproxy/", dashboard)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
