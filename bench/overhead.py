@@ -730,6 +730,9 @@ def report(results: Results, args: argparse.Namespace, command: str) -> str:
         f"`-t{WRK_THREADS}`.",
         f"Machine: {machine_note()}.",
         "Cells: median over rounds (min–max). Both nginx run `worker_processes 1`; slotproxy is one process.",
+        "CPU: utime+stime from /proc during each wrk run (proxy = slotproxy, or nginx master+worker; "
+        "upstream = the static nginx). SSE TTFB = POST to the first SSE event, the fake upstream's first "
+        f"{SSE_DELAY_MS} ms delay included.",
         "",
         "### Targets",
         "",

@@ -49,7 +49,7 @@ class ProxyState:
     def __init__(self, config: Config, *, config_path: str | None = None, backend: Backend | None = None) -> None:
         self.config_path = config_path
         self.config_error: str | None = None
-        self.backend: Backend = backend or MemoryBackend()
+        self.backend: Backend = backend or make_backend(config)
         self.metrics = Metrics(self.backend.statistics)
         self.store = StateStore(_state_path(config, config_path))
         self._star_overrides: dict[str, bool] = {}
@@ -98,6 +98,11 @@ class ProxyState:
 
     def _sync_pollers(self, providers: dict[str, ProviderSettings]) -> None:
         """One usage poller per provider with a ``usage:`` block; a changed block restarts it."""
+        if not isinstance(self.backend, MemoryBackend):
+            if any(settings.usage is not None for settings in providers.values()):
+                log.warning("usage: is ignored with the %s backend (the usage gate needs the memory backend)",
+                            self.config.backend.kind)
+            return
         for name, poller in list(self._pollers.items()):
             settings = providers.get(name)
             if settings is None or settings.usage != poller.usage:
@@ -201,9 +206,21 @@ class ProxyState:
                 provider, lease.queue_wait, lease.priority.workspace, lease.priority.conversation or "-",
             )
 
+    async def start(self) -> None:
+        """Connect the backend (Redis) before the first request is served."""
+        await self.backend.start()
+
     def status(self) -> dict[str, Any]:
+        """The status document; with the Redis backend call ``await backend.refresh()`` first."""
+        providers = []
+        for status in self.backend.statistics():
+            entry = status.to_dict()
+            if not isinstance(self.backend, MemoryBackend):
+                entry["local_in_flight"] = self.backend.local_in_flight(status.provider)
+            providers.append(entry)
         return {
-            "providers": [status.to_dict() for status in self.backend.statistics()],
+            "providers": providers,
+            "backend": self.backend.backend_status(),
             "config": {
                 "path": self.config_path,
                 "loaded_at": int(self.loaded_at * 1000),
@@ -219,6 +236,20 @@ class ProxyState:
             await session.close()
         self._sessions.clear()
         await self.backend.close()
+
+
+def make_backend(config: Config) -> Backend:
+    if config.backend.kind == "redis":
+        from .backends.redis import RedisBackend
+
+        return RedisBackend(
+            config.backend.url,
+            key_prefix=config.backend.key_prefix,
+            lease_ttl=config.backend.lease_ttl,
+            on_backend_error=config.backend.on_backend_error,
+            local_limit=config.backend.local_limit,
+        )
+    return MemoryBackend()
 
 
 def _state_path(config: Config, config_path: str | None) -> Path | None:
@@ -298,6 +329,7 @@ def build_app(state: ProxyState) -> web.Application:
 
 async def start_server(state: ProxyState, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start serving; returns the runner and the bound port (port 0 picks a free one)."""
+    await state.start()
     runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)

@@ -141,6 +141,12 @@ def cmd_fake_upstream(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.main(args)
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     print(json.dumps(config_json_schema(), indent=2))
     return 0
@@ -173,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     fake = commands.add_parser("fake-upstream", help="run a mock capped LLM provider")
     fake_upstream.add_arguments(fake)
     fake.set_defaults(func=cmd_fake_upstream)
+
+    from . import demo
+
+    demo_parser = commands.add_parser("demo", help="watch a fleet of agents share a capped fake provider")
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(func=cmd_demo)
 
     schema = commands.add_parser("schema", help="print the config's JSON Schema")
     schema.set_defaults(func=cmd_schema)

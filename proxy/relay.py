@@ -63,6 +63,7 @@ class _NoSlot:
     queue_wait = 0.0
     reclaimed = False
     on_reclaim = None
+    seq = None
 
     def __init__(self) -> None:
         self.granted_at = time.time()
@@ -155,7 +156,7 @@ class Exchange:
 
     async def run(self) -> web.StreamResponse:
         retries_left = self.settings.retry_on_429
-        seq = self.state.backend.next_arrival(self.provider) if self.needs_slot else None
+        seq: int | None = None
         waited = 0.0
         while True:
             asked_at = time.monotonic()
@@ -166,6 +167,7 @@ class Exchange:
                 return error_response(exc, queue_ms=self.queue_ms)
             waited += lease.queue_wait
             self.queue_ms = int(waited * 1000)
+            seq = lease.seq
             try:
                 return await self._attempt(lease, retry_allowed=retries_left > 0)
             except _Retry:

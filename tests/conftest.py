@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import textwrap
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -11,10 +12,16 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import settings
 
 from proxy.app import ProxyState, start_server
 from proxy.config import parse_config
 from proxy.fake_upstream import FakeUpstream, start_fake_upstream
+
+# Hypothesis: "ci" is fixed-seed and quick; HYPOTHESIS_PROFILE=long searches harder.
+settings.register_profile("ci", derandomize=True, max_examples=200, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=5000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @dataclass

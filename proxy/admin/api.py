@@ -86,6 +86,14 @@ def _cooldown_from(body: dict[str, Any]) -> float:
     return value / 1000.0
 
 
+async def _provider_answer(request: web.Request, provider: str) -> web.Response:
+    """That provider's status object, read after the write has landed (in Redis too)."""
+    backend = request.app[STATE].backend
+    await backend.flush()
+    await backend.refresh()
+    return web.json_response(backend.provider_status(provider).to_dict())
+
+
 async def put_limit(request: web.Request) -> web.Response:
     try:
         authorize(request)
@@ -96,7 +104,7 @@ async def put_limit(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.backend.set_limit(provider, limit)
     log.info("provider=%s limit set to %s via the admin API", provider, "unlimited" if limit is None else limit)
-    return web.json_response(state.backend.provider_status(provider).to_dict())
+    return await _provider_answer(request, provider)
 
 
 async def put_cooldown(request: web.Request) -> web.Response:
@@ -109,7 +117,7 @@ async def put_cooldown(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.backend.set_cooldown(provider, seconds)
     log.info("provider=%s release cooldown set to %gms via the admin API", provider, seconds * 1000)
-    return web.json_response(state.backend.provider_status(provider).to_dict())
+    return await _provider_answer(request, provider)
 
 
 async def star(request: web.Request) -> web.Response:
@@ -125,6 +133,7 @@ async def star(request: web.Request) -> web.Response:
     except AdminError as exc:
         return _error(exc)
     stars = state.set_star(workspace, starred)
+    await state.backend.flush()
     return web.json_response({"workspace": workspace, "starred": starred, "starred_workspaces": sorted(stars)})
 
 

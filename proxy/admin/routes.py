@@ -14,7 +14,9 @@ __all__ = ["add_routes"]
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STATE].status())
+    state = request.app[STATE]
+    await state.backend.refresh()
+    return web.json_response(state.status())
 
 
 _DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -39,14 +41,17 @@ async def readyz(request: web.Request) -> web.Response:
     if state.shutting_down:
         reasons.append("shutting down")
     if not state.backend.ready():
-        reasons.append("backend unreachable")
+        backend = state.backend.backend_status()
+        reasons.append(f"backend unreachable ({backend.get('degraded')}): {backend.get('error')}")
     if reasons:
         return web.json_response({"ready": False, "reasons": reasons}, status=503)
     return web.json_response({"ready": True})
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[STATE].metrics.render()
+    state = request.app[STATE]
+    await state.backend.refresh()
+    body = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

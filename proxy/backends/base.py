@@ -23,7 +23,6 @@ class Backend(Protocol):
 
     def has_provider(self, name: str) -> bool: ...
 
-    def next_arrival(self, provider: str) -> int: ...
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> Lease:
         """Wait for a slot. Raises QueueFull or QueueTimeout; cancelling the caller leaves the queue."""
@@ -53,5 +52,20 @@ class Backend(Protocol):
     def in_flight(self) -> int: ...
 
     def ready(self) -> bool: ...
+
+    def backend_status(self) -> dict[str, object]:
+        """Kind, health and degraded mode, for status and /readyz."""
+
+    def local_in_flight(self, provider: str) -> int:
+        """Slots held by this process (cluster-wide counts are in statistics())."""
+
+    async def start(self) -> None:
+        """Connect before the first request."""
+
+    async def refresh(self) -> None:
+        """Bring the snapshot statistics() reads up to date (a no-op in memory)."""
+
+    async def flush(self) -> None:
+        """Wait for background writes issued so far (a no-op in memory)."""
 
     async def close(self) -> None: ...

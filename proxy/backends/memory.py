@@ -52,8 +52,6 @@ class MemoryBackend:
     def has_provider(self, name: str) -> bool:
         return name in self._limiters
 
-    def next_arrival(self, provider: str) -> int:
-        return self.limiter(provider).next_arrival()
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> Lease:
         limiter = self.limiter(provider)
@@ -125,6 +123,21 @@ class MemoryBackend:
 
     def ready(self) -> bool:
         return True
+
+    def backend_status(self) -> dict[str, object]:
+        return {"kind": "memory", "healthy": True, "degraded": None}
+
+    def local_in_flight(self, provider: str) -> int:
+        return self.limiter(provider).in_flight
+
+    async def start(self) -> None:
+        return None
+
+    async def refresh(self) -> None:
+        return None
+
+    async def flush(self) -> None:
+        return None
 
     async def close(self) -> None:
         return None

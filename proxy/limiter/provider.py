@@ -33,7 +33,7 @@ __all__ = [
 log = logging.getLogger("slotproxy.limiter")
 
 
-def auto_reduce_notice(limit: int, cause: str) -> str:
+def auto_reduce_notice(limit: int | str, cause: str) -> str:
     return f"Concurrency limit auto-reduced to {limit} after a {cause} — restore manually when ready."
 
 

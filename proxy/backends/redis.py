@@ -1,0 +1,537 @@
+"""The Redis backend: several replicas share each provider's limit, queue order, pause and auto-reduction.
+
+Slots are leases with a TTL that the holder renews while its stream runs, so the
+slots of a replica that dies expire within ``lease_ttl``. Waiters live in one
+sorted set per provider, ordered (starred, prompt start, arrival) across every
+replica, with their own heartbeat. Each state change is one Lua script (see
+:mod:`proxy.backends.lua`); grants reach the waiting replica by pub/sub, and the
+renew loop doubles as the bounded fallback poll when a message is missed.
+
+When Redis cannot be reached, ``on_backend_error`` decides: ``fail_closed``
+(new requests wait, then 503 when their queue_timeout passes) or ``local``
+(each replica serves from its own memory limiter with ``local_limit``). Either
+way ``ready()`` is False until Redis answers again, and the replica rejoins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownProvider
+from ..limiter import (
+    Clock,
+    Lease,
+    LimiterSettings,
+    LoopClock,
+    Priority,
+    ProviderLimiter,
+    ProviderStatus,
+    WaiterStatus,
+    auto_reduce_notice,
+    validate_limit,
+)
+from . import lua
+from .memory import MemoryBackend
+
+__all__ = ["RedisBackend", "RedisLease"]
+
+log = logging.getLogger("slotproxy.redis")
+
+_QUEUE_LISTED = 200
+
+
+class RedisLease:
+    """A slot held in Redis. ``release()`` is sync like the memory lease; the script runs in the background."""
+
+    __slots__ = ("_backend", "provider", "waiter_id", "lease_id", "granted_at", "queue_wait", "priority", "seq",
+                 "on_reclaim", "released", "reclaimed", "_watchdog")
+
+    def __init__(self, backend: RedisBackend, provider: str, waiter_id: str, lease_id: str, granted_at_ms: int,
+                 queue_wait: float, priority: Priority, seq: int) -> None:
+        self._backend = backend
+        self.provider = provider
+        self.waiter_id = waiter_id
+        self.lease_id = lease_id
+        self.granted_at = granted_at_ms / 1000.0
+        self.queue_wait = queue_wait
+        self.priority = priority
+        self.seq = seq
+        self.on_reclaim: Callable[[], None] | None = None
+        self.released = False
+        self.reclaimed = False
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._backend._release(self)
+
+    def reclaim(self, why: str) -> None:
+        """The slot is gone (slot_timeout, or its lease expired in Redis): tell the holder to abort."""
+        if self.released:
+            return
+        log.warning("provider=%s slot %s reclaimed (%s)", self.provider, self.lease_id, why)
+        self.reclaimed = True
+        self.release()
+        self._backend._reclaims[self.provider] = self._backend._reclaims.get(self.provider, 0) + 1
+        if self.on_reclaim is not None:
+            self.on_reclaim()
+
+    def headers_received(self) -> None:
+        return None
+
+
+class _Waiter:
+    __slots__ = ("future", "provider", "priority", "seq", "asked_at")
+
+    def __init__(self, future: asyncio.Future[RedisLease], provider: str, priority: Priority, asked_at: float) -> None:
+        self.future = future
+        self.provider = provider
+        self.priority = priority
+        self.seq = 0
+        self.asked_at = asked_at
+
+
+class RedisBackend:
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "slotproxy",
+        lease_ttl: float = 30.0,
+        on_backend_error: str = "fail_closed",
+        local_limit: int | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.clock: Clock = clock or LoopClock()
+        self.on_change: Callable[[], None] | None = None
+        self.replica = uuid.uuid4().hex[:12]
+        self._url = url
+        self._prefix = key_prefix
+        self._lease_ttl_ms = int(lease_ttl * 1000)
+        self._waiter_ttl_ms = max(3000, self._lease_ttl_ms)
+        self._renew_every = max(0.05, min(lease_ttl / 3, 1.0))
+        self._mode = on_backend_error
+        self._local_limit = local_limit
+        self._channel = f"{key_prefix}:grant:"
+        self._redis: aioredis.Redis = aioredis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self._scripts = {name: self._redis.register_script(getattr(lua, name)) for name in lua.__all__}
+        self._settings: dict[str, LimiterSettings] = {}
+        self._starred: frozenset[str] = frozenset()
+        self._waiters: dict[str, _Waiter] = {}
+        self._leases: dict[str, RedisLease] = {}
+        self._ids = itertools.count()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._pending: set[asyncio.Task[Any]] = set()
+        self._snapshot: dict[str, ProviderStatus] = {}
+        self._reclaims: dict[str, int] = {}
+        self._local = MemoryBackend(self.clock)
+        self._dispatch_at: asyncio.TimerHandle | None = None
+        self.healthy = True
+        self.error: str | None = None
+        self._closed = False
+
+    # ----- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, push the config, and start the grant listener and the renew loop."""
+        self._spawn(self._listen(), keep=True)
+        self._spawn(self._renew_loop(), keep=True)
+        try:
+            await self._redis.ping()
+            await self.flush()
+            await self.refresh()
+        except RedisError as exc:
+            self._mark_unhealthy(exc)
+
+    async def close(self) -> None:
+        self._closed = True
+        for lease in list(self._leases.values()):
+            lease.release()
+        await self.flush()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._redis.aclose()
+
+    def _spawn(self, coro: Any, *, keep: bool = False) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        bucket = self._tasks if keep else self._pending
+        bucket.add(task)
+        task.add_done_callback(bucket.discard)
+        return task
+
+    async def flush(self) -> None:
+        """Wait for the background writes issued so far (releases, limits, backoffs)."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+
+    def _keys(self, provider: str) -> list[str]:
+        base = f"{self._prefix}:{provider}:"
+        return [base + part for part in ("cfg", "leases", "cooling", "waiters", "winfo", "whb", "granted", "seq")] + [
+            f"{self._prefix}:stars"]
+
+    async def _run(self, name: str, provider: str, *args: Any) -> Any:
+        try:
+            result = await self._scripts[name](keys=self._keys(provider), args=list(args))
+        except RedisError as exc:
+            self._mark_unhealthy(exc)
+            raise
+        self._mark_healthy()
+        return result
+
+    def _mark_unhealthy(self, exc: BaseException) -> None:
+        if self.healthy:
+            log.error("redis backend unreachable (%s: %s); mode %s", type(exc).__name__, exc, self._mode)
+        self.healthy = False
+        self.error = f"{type(exc).__name__}: {exc}"
+
+    def _mark_healthy(self) -> None:
+        if not self.healthy:
+            log.info("redis backend reachable again; rejoining the shared limits")
+            for provider in self._settings:
+                self._spawn(self._configure_one(provider))
+        self.healthy = True
+        self.error = None
+
+    # ----- config ----------------------------------------------------------------
+
+    def configure(self, providers: Mapping[str, LimiterSettings], starred: frozenset[str]) -> None:
+        self._settings = dict(providers)
+        local = {name: replace(s, limit=self._local_limit or s.limit) for name, s in providers.items()}
+        self._local.configure(local, starred)
+        for provider in providers:
+            self._spawn(self._configure_one(provider))
+        self.set_starred(starred)
+
+    async def _configure_one(self, provider: str) -> None:
+        settings = self._settings[provider]
+        recovery_ms = int((settings.recovery_after or 0) * 1000)
+        await self._guarded("CONFIGURE", provider, _limit_arg(settings.limit), int(settings.release_cooldown * 1000),
+                            int(settings.default_pause * 1000), recovery_ms, self._lease_ttl_ms, self._channel)
+
+    async def _guarded(self, name: str, provider: str, *args: Any) -> Any:
+        try:
+            return await self._run(name, provider, *args)
+        except RedisError:
+            return None
+
+    def has_provider(self, name: str) -> bool:
+        return name in self._settings
+
+    def limiter(self, provider: str) -> ProviderLimiter:
+        raise NotImplementedError("the usage gate needs the memory backend")
+
+
+    # ----- acquire ---------------------------------------------------------------
+
+    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> Lease:
+        settings = self._settings.get(provider)
+        if settings is None:
+            raise UnknownProvider(f"unknown provider '{provider}'")
+        if not self.healthy and self._mode == "local":
+            return await self._local.acquire(provider, priority, seq=seq)
+        loop = asyncio.get_running_loop()
+        waiter_id = f"{self.replica}-{next(self._ids)}"
+        waiter = _Waiter(loop.create_future(), provider, priority, loop.time())
+        self._waiters[waiter_id] = waiter
+        granted: Lease | None = None
+        try:
+            async with asyncio.timeout(settings.queue_timeout):
+                granted = await self._wait_for_grant(waiter_id, waiter, settings, seq)
+            return granted
+        except TimeoutError:
+            raise QueueTimeout(
+                f"waited longer than queue_timeout ({settings.queue_timeout:g}s) for a slot on provider "
+                f"'{provider}'; retry later", retry_after=1.0) from None
+        finally:
+            del self._waiters[waiter_id]
+            if granted is None:
+                self._abandon(waiter_id, waiter)
+
+    def _abandon(self, waiter_id: str, waiter: _Waiter) -> None:
+        """The caller left (cancel, timeout, shutdown): leave the queue, or hand back a grant it never took."""
+        future = waiter.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            future.result().release()
+            return
+        if not future.done():
+            future.cancel()
+        self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel))
+
+    async def _wait_for_grant(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings,
+                              seq: int | None) -> Lease:
+        """Enqueue in Redis and wait; while Redis is down, wait (fail_closed) or fall back (local)."""
+        while True:
+            try:
+                result = await self._run(
+                    "ENQUEUE", waiter.provider, waiter_id, self.replica, waiter.priority.workspace,
+                    "1" if waiter.priority.starred else "0", int(waiter.priority.prompt_started_at * 1000),
+                    waiter.priority.conversation or "", "" if seq is None else seq, self._lease_ttl_ms,
+                    self._waiter_ttl_ms, settings.max_queue, self._channel)
+                break
+            except RedisError:
+                if self._mode == "local":
+                    return await self._local.acquire(waiter.provider, waiter.priority, seq=seq)
+                await asyncio.sleep(self._renew_every)
+        status, detail, waiter.seq = int(result[0]), _text(result[1]), int(result[2])
+        if status == -1:
+            raise QueueFull(f"slotproxy queue for provider '{waiter.provider}' is full ({settings.max_queue} "
+                            "waiting); retry later", retry_after=1.0)
+        if status == 1:
+            return self._adopt(waiter_id, waiter, detail)
+        self._schedule_dispatch(waiter.provider, int(detail))
+        return await waiter.future
+
+    def _adopt(self, waiter_id: str, waiter: _Waiter, grant: str) -> RedisLease:
+        lease_id, granted_at = grant.split(" ")
+        queue_wait = asyncio.get_running_loop().time() - waiter.asked_at
+        lease = RedisLease(self, waiter.provider, waiter_id, lease_id, int(granted_at), queue_wait, waiter.priority,
+                           waiter.seq)
+        self._leases[lease_id] = lease
+        slot_timeout = self._settings[waiter.provider].slot_timeout
+        if slot_timeout is not None:
+            lease._watchdog = asyncio.get_running_loop().call_later(slot_timeout, lease.reclaim, "slot_timeout")
+        return lease
+
+    def _resolve(self, waiter_id: str, grant: str) -> None:
+        """A grant for one of our waiters. One that already left is handled by its CANCEL script."""
+        waiter = self._waiters.get(waiter_id)
+        if waiter is None or waiter.future.done():
+            return
+        waiter.future.set_result(self._adopt(waiter_id, waiter, grant))
+
+    # ----- release, renew, dispatch ------------------------------------------------
+
+    def _release(self, lease: RedisLease) -> None:
+        self._leases.pop(lease.lease_id, None)
+        self._spawn(self._release_script(lease))
+
+    async def _release_script(self, lease: RedisLease) -> None:
+        result = await self._guarded("RELEASE", lease.provider, lease.lease_id, lease.waiter_id, self._lease_ttl_ms,
+                                     self._channel)
+        if result is not None:
+            self._schedule_dispatch(lease.provider, int(_text(result[1])))
+
+    def _schedule_dispatch(self, provider: str, at_ms: int) -> None:
+        """Run a dispatch when a pause or cooldown ends, if this replica has waiters then."""
+        if at_ms <= 0 or not self._waiters:
+            return
+        delay = max(0.0, at_ms / 1000.0 - time.time()) + 0.005
+        if delay > self._renew_every:
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_later(delay, lambda: self._spawn(self._guarded("DISPATCH", provider, self._lease_ttl_ms, self._channel)))
+
+    async def _listen(self) -> None:
+        while not self._closed:
+            try:
+                pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+                await pubsub.subscribe(self._channel + self.replica)
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        waiter_id, lease_id, granted_at = _text(message["data"]).split(" ")
+                        self._resolve(waiter_id, f"{lease_id} {granted_at}")
+            except (RedisError, OSError) as exc:
+                self._mark_unhealthy(exc)
+                await asyncio.sleep(self._renew_every)
+
+    async def _renew_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self._renew_every)
+            try:
+                await self._renew_once()
+            except RedisError:
+                continue
+
+    async def _renew_once(self) -> None:
+        if not self.healthy:
+            await self._redis.ping()
+            self._mark_healthy()
+        for provider in list(self._settings):
+            leases = [lid for lid, lease in self._leases.items() if lease.provider == provider]
+            waiters = [wid for wid, w in self._waiters.items() if w.provider == provider and not w.future.done()]
+            result = await self._run("RENEW", provider, self._lease_ttl_ms, self._waiter_ttl_ms, self._channel,
+                                     len(leases), *leases, *waiters)
+            missing, grants, lost, next_at = result
+            for lease_id in map(_text, missing):
+                lease = self._leases.get(lease_id)
+                if lease is not None:
+                    lease.reclaim("its lease expired in redis")
+            for grant in map(_text, grants):
+                waiter_id, rest = grant.split(" ", 1)
+                self._resolve(waiter_id, rest)
+            for waiter_id in map(_text, lost):
+                self._requeue_lost(waiter_id)
+            self._schedule_dispatch(provider, int(_text(next_at)))
+
+    def _requeue_lost(self, waiter_id: str) -> None:
+        """A waiter whose heartbeat lapsed (Redis was away) is put back with its original priority."""
+        waiter = self._waiters.get(waiter_id)
+        if waiter is None or waiter.future.done():
+            return
+        settings = self._settings[waiter.provider]
+        self._spawn(self._guarded(
+            "ENQUEUE", waiter.provider, waiter_id, self.replica, waiter.priority.workspace,
+            "1" if waiter.priority.starred else "0", int(waiter.priority.prompt_started_at * 1000),
+            waiter.priority.conversation or "", waiter.seq, self._lease_ttl_ms, self._waiter_ttl_ms,
+            settings.max_queue, self._channel))
+
+    # ----- control ---------------------------------------------------------------
+
+    def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float) -> None:
+        wait_ms = -1 if wait is None else int(wait * 1000)
+        template = auto_reduce_notice("{N}", cause)
+        self._spawn(self._guarded("BACKOFF", provider, cause, wait_ms, int(sent_at * 1000), template))
+        if not self.healthy:
+            self._local.report_backoff(provider, cause, wait, sent_at)
+
+    def set_limit(self, provider: str, limit: int | None) -> None:
+        self._require(provider)
+        validate_limit(limit)
+        self._spawn(self._guarded("SET_LIMIT", provider, _limit_arg(limit), self._lease_ttl_ms, self._channel))
+
+    def set_cooldown(self, provider: str, seconds: float) -> None:
+        self._require(provider)
+        self._spawn(self._guarded("SET_COOLDOWN", provider, int(seconds * 1000)))
+
+    def set_starred(self, starred: frozenset[str]) -> None:
+        self._starred = frozenset(starred)
+        self._local.set_starred(self._starred)
+        self._spawn(self._push_stars(self._starred))
+
+    async def _push_stars(self, starred: frozenset[str]) -> None:
+        key = f"{self._prefix}:stars"
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(key)
+                if starred:
+                    pipe.sadd(key, *sorted(starred))
+                await pipe.execute()
+        except RedisError as exc:
+            self._mark_unhealthy(exc)
+            return
+        for provider in list(self._settings):
+            await self._guarded("RESTAR", provider, self._lease_ttl_ms, self._channel)
+
+    def starred(self) -> frozenset[str]:
+        return self._starred
+
+    def _require(self, provider: str) -> None:
+        if provider not in self._settings:
+            raise UnknownProvider(f"unknown provider '{provider}'")
+
+    # ----- observing -------------------------------------------------------------
+
+    async def refresh(self) -> None:
+        """Read every provider's shared state from Redis into the snapshot that status and metrics read."""
+        for provider in list(self._settings):
+            try:
+                result = await self._run("STATS", provider, _QUEUE_LISTED)
+            except RedisError:
+                continue
+            self._snapshot[provider] = self._status_from(provider, result)
+
+    def _status_from(self, provider: str, result: list[Any]) -> ProviderStatus:
+        raw, leases, cooling, queued, now_ms, infos = result
+        cfg = {_text(raw[i]): _text(raw[i + 1]) for i in range(0, len(raw), 2)}
+        now = int(_text(now_ms))
+        paused_until = int(cfg.get("paused_until", "0") or 0)
+        auto_from = cfg.get("auto_reduced_from")
+        queue = []
+        for item in infos:
+            info = _json(item)
+            queue.append(WaiterStatus(workspace=info["w"], starred=bool(info["starred"]),
+                                      prompt_started_at=int(info["p"]), waited_ms=now - int(info["t"]),
+                                      conversation=info["c"] or None))
+        counters = {name: int(cfg.get(name, "0") or 0) for name in
+                    ("granted", "backoffs", "auto_reductions", "queue_full")}
+        counters["reclaims"] = self._reclaims.get(provider, 0)
+        return ProviderStatus(
+            provider=provider,
+            limit=_limit_value(cfg.get("limit")),
+            configured_limit=_limit_value(cfg.get("configured_limit")),
+            in_flight=int(leases) + int(cooling),
+            queued=int(queued),
+            paused=paused_until > now,
+            paused_until=paused_until if paused_until > now else None,
+            cooldown_ms=int(cfg.get("cooldown_ms", "0") or 0),
+            auto_reduced=auto_from is not None,
+            auto_reduced_from=int(auto_from) if auto_from is not None else None,
+            notice=cfg.get("notice"),
+            queue=tuple(queue),
+            counters=counters,
+        )
+
+    def statistics(self) -> list[ProviderStatus]:
+        return [self.provider_status(name) for name in self._settings]
+
+    def provider_status(self, provider: str) -> ProviderStatus:
+        self._require(provider)
+        status = self._snapshot.get(provider)
+        if status is None:
+            status = ProviderStatus(provider=provider, limit=None, configured_limit=None, in_flight=0, queued=0,
+                                    paused=False, paused_until=None, cooldown_ms=0, auto_reduced=False,
+                                    auto_reduced_from=None, notice=None)
+        return status
+
+    def local_in_flight(self, provider: str) -> int:
+        return sum(1 for lease in self._leases.values() if lease.provider == provider)
+
+    def backend_status(self) -> dict[str, Any]:
+        return {"kind": "redis", "healthy": self.healthy, "mode": self._mode, "error": self.error,
+                "replica": self.replica,
+                "degraded": None if self.healthy else ("local" if self._mode == "local" else "fail_closed")}
+
+    def export_state(self) -> dict[str, dict[str, object]]:
+        return {}
+
+    def restore_state(self, provider: str, state: dict[str, object]) -> None:
+        """Shared state lives in Redis itself; the state file only matters for the memory backend."""
+
+    def shed_queues(self, error: ProxyError) -> int:
+        count = 0
+        for waiter in list(self._waiters.values()):
+            if not waiter.future.done():
+                waiter.future.set_exception(error)
+                count += 1
+        return count + self._local.shed_queues(error)
+
+    def in_flight(self) -> int:
+        return len(self._leases) + self._local.in_flight()
+
+    def ready(self) -> bool:
+        return self.healthy
+
+
+def _limit_arg(limit: int | None) -> str:
+    return "none" if limit is None else str(limit)
+
+
+def _limit_value(raw: str | None) -> int | None:
+    if raw is None or raw in ("", "none"):
+        return None
+    return int(raw)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _json(value: Any) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(_text(value))
+    return data

@@ -1,0 +1,265 @@
+"""The dashboard in a real browser: headless Debian Chromium driven by Playwright.
+
+Needs the ``playwright`` Python package (``pip install playwright``) and Debian's
+``chromium`` package at /usr/bin/chromium; Playwright's own browser downloads are
+never used. When either is missing these tests fail with the install command,
+they do not skip. Screenshots of each key step go to ``test-artifacts/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..conftest import chat, provider_yaml, wait_until
+
+try:
+    from playwright.async_api import Page, async_playwright, expect
+except ImportError:  # reported by the `page` fixture as a failure, with the fix
+    async_playwright = None  # type: ignore[assignment]
+
+pytestmark = pytest.mark.asyncio
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run",
+]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+TIMEOUT_MS = 5000  # the page polls every second; this is a generous bound, not a sleep
+TOKEN = "dashboard-test-token"
+NOTICE = "Concurrency limit auto-reduced to 2 after a 429 — restore manually when ready."
+
+
+@pytest.fixture
+async def page() -> AsyncIterator[Page]:
+    if async_playwright is None:
+        pytest.fail("the playwright Python package is missing: pip install playwright "
+                    "(only the package; the tests use Debian's chromium, not `playwright install`)")
+    if shutil.which(CHROMIUM) is None:
+        pytest.fail(f"no Chromium at {CHROMIUM}: apt-get update && apt-get install -y chromium")
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        context = await browser.new_context(viewport={"width": 1100, "height": 800})
+        context.set_default_timeout(TIMEOUT_MS)
+        tab = await context.new_page()
+        errors: list[str] = []
+        tab.on("pageerror", lambda exc: errors.append(str(exc)))
+        try:
+            yield tab
+        finally:
+            await browser.close()
+        assert not errors, f"uncaught errors in the page: {errors}"
+
+
+Shot = Callable[[str], Awaitable[None]]
+
+
+@pytest.fixture
+def shot(page: Page, request: pytest.FixtureRequest) -> Shot:
+    ARTIFACTS.mkdir(exist_ok=True)
+    name = request.node.name.removeprefix("test_")
+
+    async def take(step: str) -> None:
+        await page.screenshot(path=str(ARTIFACTS / f"dashboard-{name}-{step}.png"), full_page=True)
+
+    return take
+
+
+async def open_dashboard(page: Page, proxy: Any) -> None:
+    response = await page.goto(f"{proxy.url}/_slotproxy/")
+    assert response is not None and response.status == 200
+    await expect(page.locator("#connection")).to_have_attribute("data-state", "live")
+
+
+async def auto_reduce(proxy: Any, client: Any) -> None:
+    """One 429 from upstream: the proxy relays it, pauses and lowers the limit from 3 to 2."""
+    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(stream=False),
+                           headers={"x-fake-status": "429"}) as resp:
+        assert resp.status == 429
+        await resp.read()
+    assert proxy.status()["limit"] == 2
+
+
+async def test_restore_button_restores_an_auto_reduced_limit(start_upstream, start_proxy, client, page, shot) -> None:
+    upstream = await start_upstream(retry_after=0.3)
+    proxy = await start_proxy(provider_yaml(upstream, limit=3, retry_on_429=0))
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    await expect(card.locator('[data-field="limit"]')).to_have_text("3")
+    await expect(card.locator('[data-field="notice"]')).to_be_hidden()
+    await shot("1-healthy")
+
+    await auto_reduce(proxy, client)
+    await expect(card.locator('[data-field="notice"]')).to_have_text(NOTICE)
+    await expect(card.locator('[data-field="limit"]')).to_have_text("2")
+    await expect(card.locator('[data-field="configured-limit"]')).to_have_text("3")
+    button = card.locator('[data-action="restore"]')
+    await expect(button).to_have_text("Restore to 3")
+    await shot("2-auto-reduced")
+
+    await button.click()
+    await expect(card.locator('[data-field="limit"]')).to_have_text("3")
+    await expect(card.locator('[data-field="notice"]')).to_be_hidden()
+    await expect(button).to_be_hidden()
+    status = proxy.status()
+    assert status["limit"] == 3 and status["auto_reduced"] is False and status["notice"] is None
+    await expect(page.locator("#token-form")).to_be_hidden()
+    await shot("3-restored")
+
+
+async def test_restore_asks_for_the_admin_token_and_retries_with_it(
+    start_upstream, start_proxy, client, page, shot, monkeypatch
+) -> None:
+    monkeypatch.setenv("SLOTPROXY_ADMIN_TOKEN", TOKEN)
+    upstream = await start_upstream(retry_after=3)  # a pause long enough to watch its countdown
+    proxy = await start_proxy(provider_yaml(upstream, limit=3, retry_on_429=0))
+    puts: list[tuple[int, str | None]] = []
+    page.on("response", lambda r: puts.append((r.status, r.request.headers.get("authorization")))
+            if r.request.method == "PUT" else None)
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    await auto_reduce(proxy, client)
+    button = card.locator('[data-action="restore"]')
+    await expect(button).to_have_text("Restore to 3")
+    pause = card.locator('[data-field="pause"]')
+    await expect(pause).to_have_text(re.compile(r"resumes in [0-2]\.\d s$"))
+    first = await pause.text_content()
+    await expect(pause).not_to_have_text(first or "")  # counts down between polls
+
+    await button.click()
+    form = page.locator("#token-form")
+    await expect(form).to_be_visible()
+    await expect(page.locator("#token-input")).to_be_focused()
+    assert proxy.status()["limit"] == 2
+    await shot("1-token-asked")
+
+    # A wrong token: 403, and the proxy's own error message is shown in the form.
+    await page.get_by_label("Admin token").fill("not-the-token")
+    await page.locator("#token-form button[type=submit]").click()
+    await expect(page.locator("#token-error")).to_have_text("The admin token was not accepted: the admin token is wrong")
+    await expect(form).to_be_visible()
+    assert proxy.status()["limit"] == 2
+    await shot("2-token-wrong")
+
+    await page.get_by_label("Admin token").fill(TOKEN)
+    await page.locator("#token-form button[type=submit]").click()
+    await expect(form).to_be_hidden()
+    await expect(card.locator('[data-field="limit"]')).to_have_text("3")
+    await expect(card.locator('[data-field="notice"]')).to_be_hidden()
+    assert proxy.status()["limit"] == 3 and proxy.status()["auto_reduced"] is False
+    assert await page.evaluate("sessionStorage.getItem('slotproxy.adminToken')") == TOKEN
+    assert [status for status, _ in puts] == [401, 403, 200]
+    assert puts[0][1] is None and puts[2][1] == f"Bearer {TOKEN}"
+    await shot("3-restored")
+
+
+async def test_queue_table_lists_waiters_in_admission_order(start_upstream, start_proxy, client, page, shot) -> None:
+    upstream = await start_upstream(chunks=1, delay_ms=1)
+    proxy = await start_proxy(provider_yaml(upstream, limit=1))
+    url = f"{proxy.url}/openai/chat/completions"
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    await expect(card.locator('[data-field="queue-empty"]')).to_be_visible()
+
+    holder = asyncio.create_task(client.post(url, json=chat(), headers={"x-fake-stall-ms": "1500"}))
+    await wait_until(lambda: proxy.status()["in_flight"] == 1, what="the holder to take the slot")
+    # Workspace ids come from request headers: this one must show as text, never run.
+    hostile = '<img src=x onerror="window.__pwned=1">'
+    plain = asyncio.create_task(client.post(url, json=chat(), headers={"X-Workspace-Id": hostile}))
+    await wait_until(lambda: proxy.status()["queued"] == 1, what="the first waiter")
+    starred = asyncio.create_task(client.post(url, json=chat(), headers={
+        "X-Workspace-Id": "release-team", "X-Workspace-Starred": "1", "X-Conversation-Id": "conv-7"}))
+    await wait_until(lambda: proxy.status()["queued"] == 2, what="the second waiter")
+
+    rows = card.locator('tbody[data-field="queue"] tr')
+    await expect(rows).to_have_count(2)
+    # The queue lives only while the holder stalls (1.5 s): read the card once, then assert.
+    await shot("1-queued")
+    seen = await card.evaluate("""card => ({
+        queued: card.querySelector('[data-field="queued"]').textContent,
+        inFlight: card.querySelector('[data-field="in-flight"]').textContent,
+        images: card.querySelectorAll('img').length,
+        rows: [...card.querySelectorAll('tbody[data-field="queue"] tr')].map(
+            tr => [...tr.cells].map(td => td.textContent)),
+    })""")
+    assert (seen["queued"], seen["inFlight"], seen["images"]) == ("2", "1", 0)
+    # Starred first although it arrived second: the proxy's admission order.
+    (first, second) = seen["rows"]
+    position, workspace, star, age, waited, conversation = first
+    assert (position, workspace, conversation) == ("1", "release-team", "conv-7")
+    assert "★" in star
+    assert re.fullmatch(r"\d\.\d s", age) and re.fullmatch(r"\d\.\d s", waited), (age, waited)
+    assert second[:3] == ["2", hostile, ""] and second[5] == "—"
+    assert await page.evaluate("window.__pwned") is None
+
+    for response in await asyncio.gather(holder, plain, starred):
+        assert response.status == 200
+        await response.read()
+        response.release()
+    await expect(rows).to_have_count(0)
+    await expect(card.locator('[data-field="queue-empty"]')).to_be_visible()
+    await shot("2-drained")
+
+
+async def test_config_error_banner_shows_and_clears(start_upstream, start_proxy, page, shot) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    await open_dashboard(page, proxy)
+    banner = page.locator("#config-error")
+    await expect(banner).to_be_hidden()
+
+    message = "providers.openai.limit: must be a positive integer or null <b>(got 0)</b>"
+    proxy.state.config_error = message
+    await expect(banner).to_be_visible()
+    await expect(banner).to_contain_text(message)
+    assert await banner.locator("b").count() == 0
+    await shot("1-banner")
+    await page.emulate_media(color_scheme="dark")
+    await shot("2-banner-dark")
+
+    proxy.state.config_error = None
+    await expect(banner).to_be_hidden()
+
+
+async def test_disconnected_indicator_and_no_overlapping_polls(start_upstream, start_proxy, page, shot) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    await open_dashboard(page, proxy)
+    indicator = page.locator("#connection")
+
+    async def refuse(route: Any) -> None:
+        await route.abort()
+
+    await page.route("**/_slotproxy/status", refuse)
+    await expect(indicator).to_have_attribute("data-state", "disconnected")
+    await expect(indicator).to_contain_text("Disconnected")
+    await shot("1-disconnected")
+    await page.unroute("**/_slotproxy/status", refuse)
+    await expect(indicator).to_have_attribute("data-state", "live")
+
+    # A status that takes 1.2 s to answer (longer than the poll interval): polls wait for each other instead of piling up.
+    active = peak = answered = 0
+
+    async def slow(route: Any) -> None:
+        nonlocal active, peak, answered
+        active += 1
+        peak = max(peak, active)
+        try:
+            await asyncio.sleep(1.2)
+            await route.continue_()
+        finally:
+            active -= 1
+            answered += 1
+
+    await page.route("**/_slotproxy/status", slow)
+    await wait_until(lambda: answered >= 2, timeout=6, what="two slow polls")
+    await page.unroute("**/_slotproxy/status", slow)
+    assert peak == 1
+    await expect(indicator).to_have_attribute("data-state", "live")
