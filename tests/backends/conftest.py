@@ -1,0 +1,95 @@
+"""Backends under test: the memory backend, and the Redis backend against a real Redis server."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis
+
+from proxy.backends import MemoryBackend
+from proxy.backends.redis import RedisBackend
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def require_redis(url: str = REDIS_URL) -> None:
+    try:
+        redis.Redis.from_url(url, socket_timeout=2).ping()
+    except redis.RedisError as exc:
+        pytest.fail(f"the Redis backend tests need a Redis server at {url} (scripts/test starts one): {exc}")
+
+
+def delete_prefix(url: str, prefix: str) -> None:
+    client = redis.Redis.from_url(url)
+    keys = list(client.scan_iter(f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture
+def key_prefix() -> Iterator[str]:
+    prefix = f"slotproxy-test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    delete_prefix(REDIS_URL, prefix)
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def backend(request, key_prefix) -> AsyncIterator[MemoryBackend | RedisBackend]:
+    if request.param == "memory":
+        yield MemoryBackend()
+        return
+    require_redis()
+    instance = RedisBackend(REDIS_URL, key_prefix=key_prefix, lease_ttl=2.0)
+    await instance.start()
+    yield instance
+    await instance.close()
+
+
+class PrivateRedis:
+    """A redis-server of the test's own, on a free port, that the test may stop and start."""
+
+    def __init__(self) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed (scripts/test installs it)")
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                redis.Redis(port=self.port, socket_timeout=0.5).ping()
+                return
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    server = PrivateRedis()
+    server.start()
+    yield server
+    server.stop()
