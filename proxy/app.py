@@ -86,6 +86,7 @@ class ProxyState:
             prompt_started_at=config.headers.prompt_started_at,
             conversation=config.headers.conversation,
         )
+        self.strip_headers = self.priority_headers.names()
         self._forget_overrides_changed_in_yaml(config)
         self.backend.configure(
             {name: limiter_settings(settings) for name, settings in providers.items()},
@@ -199,7 +200,7 @@ class ProxyState:
         return timeout
 
     def observe_grant(self, provider: str, lease: Lease) -> None:
-        self.metrics.queue_wait.labels(provider).observe(lease.queue_wait)
+        self.metrics.observe_wait(provider, lease.queue_wait)
         if lease.queue_wait >= self.config.logging.slow_grant:
             log.info(
                 "provider=%s granted a slot after %.1fs in the queue (workspace=%s conversation=%s)",
@@ -304,7 +305,7 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
 def _count(request: web.Request, state: ProxyState, status: str) -> None:
     provider = request.get(PROVIDER)
     if provider is not None:
-        state.metrics.requests.labels(provider, status).inc()
+        state.metrics.count_request(provider, status)
 
 
 def _method_not_allowed(message: str) -> web.Response:

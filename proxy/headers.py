@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-
-from multidict import CIMultiDict
 
 from .limiter import Priority
 
@@ -121,44 +119,37 @@ def parse_priority(
     return Priority(prompt_started_at=started, workspace=workspace, starred=starred, conversation=conversation), invalid
 
 
-def _connection_listed(headers: Mapping[str, str]) -> set[str]:
-    listed = headers.get("connection")
+def _connection_listed(headers: Mapping[str, str]) -> frozenset[str]:
+    listed = headers.get("connection") or headers.get("Connection")
     if not listed:
-        return set()
-    return {token.strip().lower() for token in listed.split(",") if token.strip()}
+        return frozenset()
+    return frozenset(token.strip().lower() for token in listed.split(",") if token.strip())
+
+
+_DROP_UP_WITH_AUTH = _NOT_FORWARDED_UP | {"authorization", "x-api-key"}
 
 
 def forward_request_headers(
-    incoming: Iterable[tuple[str, str]] | Mapping[str, str],
+    incoming: Mapping[str, str],
     *,
     strip: frozenset[str],
     auth: tuple[str, str] | None,
-) -> CIMultiDict[str]:
+) -> list[tuple[str, str]]:
     """Headers to send upstream: hop-by-hop, Host and priority headers dropped; auth replaced.
 
     ``strip`` holds lower-case names to drop (the priority headers). ``auth`` is
     (header, value) of the provider key; when given, the client's own
-    Authorization and x-api-key are both removed first.
+    Authorization and x-api-key are both removed first. One pass, no copies:
+    this runs on every request.
     """
-    source = CIMultiDict(incoming)
-    drop = _NOT_FORWARDED_UP | strip | _connection_listed(source)
+    drop = (_NOT_FORWARDED_UP if auth is None else _DROP_UP_WITH_AUTH) | strip | _connection_listed(incoming)
+    out = [(name, value) for name, value in incoming.items() if name.lower() not in drop]
     if auth is not None:
-        drop = drop | {"authorization", "x-api-key"}
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in source.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    if auth is not None:
-        out[auth[0]] = auth[1]
+        out.append(auth)
     return out
 
 
-def forward_response_headers(incoming: Mapping[str, str]) -> CIMultiDict[str]:
+def forward_response_headers(incoming: Mapping[str, str]) -> list[tuple[str, str]]:
     """Headers to relay to the client: everything but hop-by-hop (Content-Length is set separately)."""
-    source = CIMultiDict(incoming)
-    drop = _NOT_RELAYED_DOWN | _connection_listed(source)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in source.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    return out
+    drop = _NOT_RELAYED_DOWN | _connection_listed(incoming)
+    return [(name, value) for name, value in incoming.items() if name.lower() not in drop]

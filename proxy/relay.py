@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -44,6 +45,7 @@ QUEUE_MS_HEADER = "X-Slotproxy-Queue-Ms"
 STATE: web.AppKey[ProxyState] = web.AppKey("slotproxy")
 PROVIDER: web.RequestKey[str] = web.RequestKey("slotproxy_provider", str)
 _MAX_ERROR_BODY = 1 << 20
+_ONE_WRITE_MAX = 64 * 1024
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
 
 
@@ -73,6 +75,10 @@ class _NoSlot:
 
     def headers_received(self) -> None:
         return None
+
+
+class _ClientGone(Exception):
+    """Writing to the client failed: it disconnected mid-response."""
 
 
 class _Retry(Exception):
@@ -151,7 +157,7 @@ class Exchange:
         self.response: web.StreamResponse | None = None
         self.queue_ms = 0
         self.headers = forward_request_headers(
-            request.headers.items(), strip=state.priority_headers.names(), auth=state.provider_auth(settings)
+            request.headers, strip=state.strip_headers, auth=state.provider_auth(settings)
         )
 
     async def run(self) -> web.StreamResponse:
@@ -190,6 +196,9 @@ class Exchange:
                 # headers or the next chunk), surfacing as TimeoutError below.
                 lease.on_reclaim = lambda: deadline.reschedule(loop.time())
                 return await self._exchange(lease, retry_allowed)
+        except _ClientGone:
+            log.debug("provider=%s client left mid-response", self.provider)
+            return self.response or error_response(BadRequest("client disconnected"))
         except TimeoutError:
             what = "slot_timeout" if lease.reclaimed else "idle_timeout or connect_timeout"
             log.warning("provider=%s %s fired for %s %s", self.provider, what, self.request.method, self.url.path)
@@ -247,13 +256,17 @@ class Exchange:
         self.state.backend.report_backoff(self.provider, backoff.cause, backoff.wait, lease.granted_at)
 
     async def _stream(self, upstream: aiohttp.ClientResponse, lease: Lease | _NoSlot) -> web.StreamResponse:
+        length = upstream.content_length
+        if length is not None and length <= _ONE_WRITE_MAX and self.request.method != "HEAD" \
+                and not _is_event_stream(upstream):
+            return await self._relay_whole(upstream)
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(forward_response_headers(upstream.headers))
         if upstream.content_length is not None:
             response.content_length = upstream.content_length
         response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
         self.response = response
-        await response.prepare(self.request)
+        await _to_client(response.prepare(self.request))
         scanner = StreamErrorScanner() if _is_event_stream(upstream) else None
         # Cancellation point: the client may leave at any await below; the handler
         # is cancelled and the caller's finally releases the slot.
@@ -263,9 +276,32 @@ class Exchange:
                 if backoff is not None:
                     self._report(backoff, lease)
                     scanner = None
-            await response.write(chunk)
-        await response.write_eof()
+            try:
+                await response.write(chunk)
+            except ConnectionError as exc:
+                raise _ClientGone from exc
+        await _to_client(response.write_eof())
         return response
+
+
+    async def _relay_whole(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        """A small fixed-length answer: headers and body leave in one write, still before the slot is released."""
+        body = await upstream.read()
+        response = web.Response(status=upstream.status, reason=upstream.reason, body=body,
+                                headers=forward_response_headers(upstream.headers))
+        response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
+        self.response = response
+        await _to_client(response.prepare(self.request))
+        await _to_client(response.write_eof())
+        return response
+
+
+async def _to_client(write: Awaitable[object]) -> None:
+    """A write toward the client; its failure means the client left, not that upstream failed."""
+    try:
+        await write
+    except ConnectionError as exc:
+        raise _ClientGone from exc
 
 
 def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:

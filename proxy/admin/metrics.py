@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -64,6 +65,21 @@ class Metrics:
             ["header"], registry=self.registry,
         )
         self.registry.register(_SnapshotCollector(snapshot))
+        self._request_children: dict[tuple[str, str], Any] = {}
+        self._wait_children: dict[str, Any] = {}
+
+    def count_request(self, provider: str, status: str) -> None:
+        """Per-request hot path: the labelled child is looked up once, then cached."""
+        child = self._request_children.get((provider, status))
+        if child is None:
+            child = self._request_children[(provider, status)] = self.requests.labels(provider, status)
+        child.inc()
+
+    def observe_wait(self, provider: str, seconds: float) -> None:
+        child = self._wait_children.get(provider)
+        if child is None:
+            child = self._wait_children[provider] = self.queue_wait.labels(provider)
+        child.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
