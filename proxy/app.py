@@ -15,6 +15,7 @@ from aiohttp import web
 
 from .admin import routes as admin_routes
 from .admin.metrics import Metrics
+from .access import ClientKeys
 from .backends import Backend, MemoryBackend
 from .config import Config, ProviderSettings
 from .errors import BadRequest, ProxyError, UnknownProvider
@@ -80,6 +81,11 @@ class ProxyState:
         """Swap in a validated config; the backend keeps everything queued and in flight."""
         providers = {name: config.provider(name) for name in config.provider_names()}
         self._auth = {name: _auth_header(settings) for name, settings in providers.items()}
+        self.client_keys = ClientKeys.from_env(config.access.keys_env, os.environ)
+        for name, settings in providers.items():
+            if not settings.tls_verify:
+                log.warning("providers.%s.tls_verify is false: the upstream's TLS certificate is not checked "
+                            "(meant for self-signed test setups only)", name)
         self.priority_headers = PriorityHeaders(
             workspace=config.headers.workspace,
             starred=config.headers.starred,

@@ -120,6 +120,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if state.shutting_down:
         raise ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0)
+    consumed = state.client_keys.check(request.headers) if state.client_keys is not None else frozenset()
     provider, settings, url = _route(request, state)
     request[PROVIDER] = provider
     body = await _read_body(request, state.config.server.max_body)
@@ -128,7 +129,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         state.metrics.invalid_headers.labels(key).inc()
     state.request_started()
     try:
-        return await Exchange(request, state, provider, settings, url, body, priority).run()
+        return await Exchange(request, state, provider, settings, url, body, priority, consumed).run()
     finally:
         state.request_finished()
 
@@ -145,6 +146,7 @@ class Exchange:
         url: URL,
         body: bytes,
         priority: Priority,
+        consumed: frozenset[str] = frozenset(),
     ) -> None:
         self.request = request
         self.state = state
@@ -157,7 +159,8 @@ class Exchange:
         self.response: web.StreamResponse | None = None
         self.queue_ms = 0
         self.headers = forward_request_headers(
-            request.headers, strip=state.strip_headers, auth=state.provider_auth(settings)
+            request.headers, strip=state.strip_headers | consumed if consumed else state.strip_headers,
+            auth=state.provider_auth(settings)
         )
 
     async def run(self) -> web.StreamResponse:
