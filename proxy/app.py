@@ -20,7 +20,7 @@ from .backends import Backend, MemoryBackend
 from .config import Config, ProviderSettings
 from .errors import BadRequest, ProxyError, UnknownProvider
 from .headers import PriorityHeaders
-from .limiter import Lease, LimiterSettings
+from .limiter import LimiterSettings, SlotLease
 from .relay import PROVIDER, STATE, error_response, proxy_handler
 from .state import StateStore
 from .usage import UsagePoller
@@ -184,7 +184,7 @@ class ProxyState:
         """One pooled session per TLS policy, shared by every upstream that uses it."""
         session = self._sessions.get(settings.tls_verify)
         if session is None or session.closed:
-            connector = aiohttp.TCPConnector(limit=0, ssl=None if settings.tls_verify else False, ttl_dns_cache=300)
+            connector = aiohttp.TCPConnector(limit=0, ssl=settings.tls_verify, ttl_dns_cache=300)
             session = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
@@ -205,7 +205,7 @@ class ProxyState:
             self._timeouts[key] = timeout
         return timeout
 
-    def observe_grant(self, provider: str, lease: Lease) -> None:
+    def observe_grant(self, provider: str, lease: SlotLease) -> None:
         self.metrics.observe_wait(provider, lease.queue_wait)
         if lease.queue_wait >= self.config.logging.slow_grant:
             log.info(
@@ -341,8 +341,5 @@ async def start_server(state: ProxyState, host: str, port: int) -> tuple[web.App
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()
-    server = site._server
-    bound = port
-    if server is not None and getattr(server, "sockets", None):
-        bound = server.sockets[0].getsockname()[1]
+    bound = runner.addresses[0][1] if runner.addresses else port
     return runner, bound

@@ -1,12 +1,10 @@
-"""The ``slotproxy`` command line: serve, check, status, fake-upstream, schema."""
+"""The ``slotproxy`` command line: serve, check, status, fake-upstream, demo, schema."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import json
-import logging
 import os
 import sys
 import urllib.error

@@ -537,7 +537,7 @@ async def run_demo(options: DemoOptions, out: TextIO | None = None, tty: bool | 
     return await _Demo(options, stream, is_tty).run()
 
 
-def _number(kind: type[int] | type[float], low: float, high: float, what: str) -> Callable[[str], Any]:
+def _number(kind: type[int | float], low: float, high: float, what: str) -> Callable[[str], Any]:
     def convert(raw: str) -> int | float:
         try:
             value = kind(raw)

@@ -30,7 +30,7 @@ from .errors import (
     UpstreamUnreachable,
 )
 from .headers import forward_request_headers, forward_response_headers, parse_priority
-from .limiter import Lease, Priority
+from .limiter import Priority, SlotLease
 from .signals import Backoff, StreamErrorScanner, classify_response
 
 if TYPE_CHECKING:
@@ -184,14 +184,14 @@ class Exchange:
             finally:
                 lease.release()
 
-    async def _acquire(self, seq: int | None) -> Lease | _NoSlot:
+    async def _acquire(self, seq: int | None) -> SlotLease | _NoSlot:
         if not self.needs_slot:
             return _NoSlot()
         lease = await self.state.backend.acquire(self.provider, self.priority, seq=seq)
         self.state.observe_grant(self.provider, lease)
         return lease
 
-    async def _attempt(self, lease: Lease | _NoSlot, *, retry_allowed: bool) -> web.StreamResponse:
+    async def _attempt(self, lease: SlotLease | _NoSlot, *, retry_allowed: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(None) as deadline:
@@ -221,7 +221,7 @@ class Exchange:
             transport.close()
         return self.response
 
-    async def _exchange(self, lease: Lease | _NoSlot, retry_allowed: bool) -> web.StreamResponse:
+    async def _exchange(self, lease: SlotLease | _NoSlot, retry_allowed: bool) -> web.StreamResponse:
         session = self.state.session_for(self.settings)
         data = None if (not self.body and self.request.method in _NO_BODY_METHODS) else self.body
         async with session.request(
@@ -238,7 +238,7 @@ class Exchange:
             return await self._stream(upstream, lease)
 
     async def _relay_backoff(
-        self, upstream: aiohttp.ClientResponse, lease: Lease | _NoSlot, retry_allowed: bool
+        self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, retry_allowed: bool
     ) -> web.StreamResponse:
         body = await upstream.content.read(_MAX_ERROR_BODY)
         backoff = classify_response(
@@ -254,11 +254,11 @@ class Exchange:
         response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
         return response
 
-    def _report(self, backoff: Backoff, lease: Lease | _NoSlot) -> None:
+    def _report(self, backoff: Backoff, lease: SlotLease | _NoSlot) -> None:
         self.state.metrics.backoffs.labels(self.provider, backoff.cause).inc()
         self.state.backend.report_backoff(self.provider, backoff.cause, backoff.wait, lease.granted_at)
 
-    async def _stream(self, upstream: aiohttp.ClientResponse, lease: Lease | _NoSlot) -> web.StreamResponse:
+    async def _stream(self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot) -> web.StreamResponse:
         length = upstream.content_length
         if length is not None and length <= _ONE_WRITE_MAX and self.request.method != "HEAD" \
                 and not _is_event_stream(upstream):

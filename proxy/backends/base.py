@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from ..errors import ProxyError
-from ..limiter import Clock, Lease, LimiterSettings, Priority, ProviderLimiter, ProviderStatus
+from ..limiter import SlotLease, Clock, LimiterSettings, Priority, ProviderLimiter, ProviderStatus
 
 __all__ = ["Backend"]
 
@@ -24,7 +24,7 @@ class Backend(Protocol):
     def has_provider(self, name: str) -> bool: ...
 
 
-    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> Lease:
+    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
         """Wait for a slot. Raises QueueFull or QueueTimeout; cancelling the caller leaves the queue."""
 
     def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float) -> None: ...

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Mapping
 
 from ..errors import ProxyError, UnknownProvider
-from ..limiter import Clock, Lease, LimiterSettings, LoopClock, Priority, ProviderLimiter, ProviderStatus
+from ..limiter import SlotLease, Clock, Lease, LimiterSettings, LoopClock, Priority, ProviderLimiter, ProviderStatus
 
 __all__ = ["MemoryBackend"]
 
@@ -53,7 +53,7 @@ class MemoryBackend:
         return name in self._limiters
 
 
-    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> Lease:
+    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
         limiter = self.limiter(provider)
         lease = limiter.try_acquire(priority, seq)
         if lease is not None:

@@ -30,8 +30,8 @@ from redis.exceptions import RedisError
 
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownProvider
 from ..limiter import (
+    SlotLease,
     Clock,
-    Lease,
     LimiterSettings,
     LoopClock,
     Priority,
@@ -239,7 +239,7 @@ class RedisBackend:
 
     # ----- acquire ---------------------------------------------------------------
 
-    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> Lease:
+    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
         settings = self._settings.get(provider)
         if settings is None:
             raise UnknownProvider(f"unknown provider '{provider}'")
@@ -249,7 +249,7 @@ class RedisBackend:
         waiter_id = f"{self.replica}-{next(self._ids)}"
         waiter = _Waiter(loop.create_future(), provider, priority, loop.time())
         self._waiters[waiter_id] = waiter
-        granted: Lease | None = None
+        granted: SlotLease | None = None
         try:
             async with asyncio.timeout(settings.queue_timeout):
                 granted = await self._wait_for_grant(waiter_id, waiter, settings, seq)
@@ -274,7 +274,7 @@ class RedisBackend:
         self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel))
 
     async def _wait_for_grant(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings,
-                              seq: int | None) -> Lease:
+                              seq: int | None) -> SlotLease:
         """Enqueue in Redis and wait; while Redis is down, wait (fail_closed) or fall back (local)."""
         while True:
             try:
@@ -484,9 +484,11 @@ class RedisBackend:
         self._require(provider)
         status = self._snapshot.get(provider)
         if status is None:
-            status = ProviderStatus(provider=provider, limit=None, configured_limit=None, in_flight=0, queued=0,
-                                    paused=False, paused_until=None, cooldown_ms=0, auto_reduced=False,
-                                    auto_reduced_from=None, notice=None)
+            settings = self._settings[provider]
+            status = ProviderStatus(provider=provider, limit=settings.limit, configured_limit=settings.limit,
+                                    in_flight=self.local_in_flight(provider), queued=0, paused=False,
+                                    paused_until=None, cooldown_ms=int(settings.release_cooldown * 1000),
+                                    auto_reduced=False, auto_reduced_from=None, notice=None)
         return status
 
     def local_in_flight(self, provider: str) -> int:

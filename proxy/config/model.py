@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import (
@@ -281,11 +281,18 @@ def _check_backend_url(value: str) -> str:
 _URL_SCHEMA = WithJsonSchema({"type": "string", "format": "uri", "pattern": "^https?://"})
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-Limit = _int_type("must be a positive integer or null", 1, nullable=True)
-PositiveIntOrNull = Limit
-Port = _int_type("must be a port number from 0 to 65535", 0, 65535)
-Count = _int_type("must be a whole number, 0 or more", 0)
-Status = _int_type("must be an HTTP status code from 400 to 599", 400, 599)
+if TYPE_CHECKING:
+    Limit: TypeAlias = int | None
+    PositiveIntOrNull: TypeAlias = int | None
+    Port: TypeAlias = int
+    Count: TypeAlias = int
+    Status: TypeAlias = int
+else:
+    Limit = _int_type("must be a positive integer or null", 1, nullable=True)
+    PositiveIntOrNull = Limit
+    Port = _int_type("must be a port number from 0 to 65535", 0, 65535)
+    Count = _int_type("must be a whole number, 0 or more", 0)
+    Status = _int_type("must be an HTTP status code from 400 to 599", 400, 599)
 EnvName = Annotated[
     str,
     _matching(
@@ -466,6 +473,14 @@ def _resolve(name: str, provider: Provider, defaults: Defaults) -> ProviderSetti
     return ProviderSettings(name=name, usage=provider.usage, **own, **inherited)
 
 
+_PROVIDER_NAMES_SCHEMA: dict[str, Any] = {
+    "propertyNames": {
+        "pattern": f"^{_PROVIDER_ID.pattern}$",
+        "not": {"enum": sorted(RESERVED_PROVIDER_IDS)},
+    }
+}
+
+
 class Config(_Frozen):
     """The whole config file. Sections left out (or left empty) take their defaults."""
 
@@ -476,12 +491,7 @@ class Config(_Frozen):
     defaults: Defaults = Field(default_factory=Defaults)
     providers: dict[ProviderId, Provider] = Field(
         default_factory=dict,
-        json_schema_extra={
-            "propertyNames": {
-                "pattern": f"^{_PROVIDER_ID.pattern}$",
-                "not": {"enum": sorted(RESERVED_PROVIDER_IDS)},
-            }
-        },
+        json_schema_extra=_PROVIDER_NAMES_SCHEMA,
     )
     workspaces: Workspaces = Field(default_factory=Workspaces)
     headers: Headers = Field(default_factory=Headers)

@@ -25,6 +25,7 @@ __all__ = [
     "LimiterSettings",
     "ProviderLimiter",
     "ProviderStatus",
+    "SlotLease",
     "WaiterStatus",
     "auto_reduce_notice",
     "validate_limit",
@@ -69,6 +70,21 @@ class AdmissionGate(Protocol):
         """Something changed (a release, a new waiter): look at upstream again."""
 
     def status(self) -> dict[str, object]: ...
+
+
+class SlotLease(Protocol):
+    """What the relay needs of a held slot, whichever backend granted it."""
+
+    priority: Priority
+    seq: int
+    granted_at: float
+    queue_wait: float
+    reclaimed: bool
+    on_reclaim: Callable[[], None] | None
+
+    def release(self) -> None: ...
+
+    def headers_received(self) -> None: ...
 
 
 class Lease:
