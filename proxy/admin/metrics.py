@@ -18,8 +18,10 @@ _WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 
 
 
 class _SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], list[ProviderStatus]]) -> None:
+    def __init__(self, snapshot: Callable[[], list[ProviderStatus]],
+                 backend: Callable[[], dict[str, object]] | None) -> None:
         self._snapshot = snapshot
+        self._backend = backend
 
     def collect(self) -> Iterable[Metric]:
         gauges = {
@@ -41,12 +43,20 @@ class _SnapshotCollector(Collector):
         yield from gauges.values()
         yield reductions
         yield reclaims
+        if self._backend is not None:
+            info = self._backend()
+            degraded = GaugeMetricFamily("slotproxy_backend_degraded",
+                                         "1 while the shared backend is unreachable (fail_closed or local mode)",
+                                         labels=["kind", "mode"])
+            degraded.add_metric([str(info.get("kind")), str(info.get("mode") or "-")], 0 if info.get("healthy") else 1)
+            yield degraded
 
 
 class Metrics:
     """One registry per proxy instance, so several proxies in one process never collide."""
 
-    def __init__(self, snapshot: Callable[[], list[ProviderStatus]]) -> None:
+    def __init__(self, snapshot: Callable[[], list[ProviderStatus]],
+                 backend: Callable[[], dict[str, object]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.requests = Counter(
             "slotproxy_requests", "Requests answered, by the status the client received",
@@ -64,7 +74,7 @@ class Metrics:
             "slotproxy_invalid_priority_headers", "Priority headers with an invalid value (default used)",
             ["header"], registry=self.registry,
         )
-        self.registry.register(_SnapshotCollector(snapshot))
+        self.registry.register(_SnapshotCollector(snapshot, backend))
         self._request_children: dict[tuple[str, str], Any] = {}
         self._wait_children: dict[str, Any] = {}
 

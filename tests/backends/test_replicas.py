@@ -234,6 +234,8 @@ async def test_redis_stopped_mid_run(start_upstream, client, replicas, private_r
         return await readyz_status() == 503
 
     await wait_for(unready, timeout=10, what="readyz 503 after redis went away")
+    async with client.get(f"{replica.url}/metrics") as resp:
+        assert 'slotproxy_backend_degraded{kind="redis",mode="' + mode + '"} 1.0' in await resp.text()
     if mode == "fail_closed":
         async with client.post(url, json=chat()) as resp:
             assert resp.status == 503
