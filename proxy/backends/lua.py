@@ -77,26 +77,38 @@ local function in_flight()
   return redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
 end
 
+-- The head waiter's info, or nil for an orphan entry (no info, or a stale member), which is dropped.
+local function pop_head()
+  local head = redis.call('ZRANGE', KEYS[4], 0, 0)
+  if #head == 0 then return nil, nil, false end
+  local member = head[1]
+  redis.call('ZREM', KEYS[4], member)
+  local id = string.sub(member, string.find(member, ':', 1, true) + 1)
+  local raw = redis.call('HGET', KEYS[5], id)
+  if not raw then return id, nil, true end
+  local info = cjson.decode(raw)
+  if info.m ~= member then return id, nil, true end
+  redis.call('HDEL', KEYS[5], id)
+  redis.call('ZREM', KEYS[6], id)
+  return id, info, true
+end
+
 -- Grant head waiters while there is room; each grant becomes a lease and a message to its replica.
 local function dispatch(now, lease_ttl, channel)
   if num('paused_until', 0) > now then return 0 end
   local limit = limit_of()
   local count = 0
   while limit == nil or in_flight() < limit do
-    local head = redis.call('ZRANGE', KEYS[4], 0, 0)
-    if #head == 0 then break end
-    local member = head[1]
-    local id = string.sub(member, string.find(member, ':', 1, true) + 1)
-    local info = cjson.decode(redis.call('HGET', KEYS[5], id))
-    redis.call('ZREM', KEYS[4], member)
-    redis.call('HDEL', KEYS[5], id)
-    redis.call('ZREM', KEYS[6], id)
-    local lease = 'L' .. redis.call('INCR', KEYS[8])
-    redis.call('ZADD', KEYS[2], now + lease_ttl, lease)
-    redis.call('HSET', KEYS[7], id, lease .. ' ' .. now)
-    redis.call('HINCRBY', KEYS[1], 'granted', 1)
-    redis.call('PUBLISH', channel .. info.r, id .. ' ' .. lease .. ' ' .. now)
-    count = count + 1
+    local id, info, found = pop_head()
+    if not found then break end
+    if info then
+      local lease = 'L' .. redis.call('INCR', KEYS[8])
+      redis.call('ZADD', KEYS[2], now + lease_ttl, lease)
+      redis.call('HSET', KEYS[7], id, lease .. ' ' .. now)
+      redis.call('HINCRBY', KEYS[1], 'granted', 1)
+      redis.call('PUBLISH', channel .. info.r, id .. ' ' .. lease .. ' ' .. now)
+      count = count + 1
+    end
   end
   return count
 end
@@ -125,6 +137,13 @@ ENQUEUE = _PRELUDE + r"""
 --       lease_ttl, waiter_ttl, max_queue, channel
 local now = now_ms()
 cleanup(now)
+local done = redis.call('HGET', KEYS[7], ARGV[1])
+if done then
+  redis.call('HDEL', KEYS[7], ARGV[1])
+  return {1, done, tonumber(ARGV[7]) or 0}
+end
+local old = redis.call('HGET', KEYS[5], ARGV[1])
+if old then redis.call('ZREM', KEYS[4], cjson.decode(old).m) end
 local seq = tonumber(ARGV[7]) or redis.call('INCR', KEYS[8])
 local starred = ARGV[4] == '1' or redis.call('SISMEMBER', KEYS[9], ARGV[3]) == 1
 local member = waiter_member(starred, tonumber(ARGV[5]), seq, ARGV[1])

@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownProvider
 from ..limiter import (
@@ -96,14 +96,18 @@ class RedisLease:
 
 
 class _Waiter:
-    __slots__ = ("future", "provider", "priority", "seq", "asked_at")
+    """A local request waiting for a grant. ``queued`` is set once Redis has answered its ENQUEUE
+    with "queued": only then do renewals heartbeat it (an ENQUEUE still in flight is not lost)."""
+
+    __slots__ = ("future", "provider", "priority", "seq", "asked_at", "queued")
 
     def __init__(self, future: asyncio.Future[RedisLease], provider: str, priority: Priority, asked_at: float) -> None:
         self.future = future
         self.provider = provider
         self.priority = priority
-        self.seq = 0
+        self.seq: int | None = None
         self.asked_at = asked_at
+        self.queued = False
 
 
 class RedisBackend:
@@ -133,6 +137,7 @@ class RedisBackend:
         self._settings: dict[str, LimiterSettings] = {}
         self._starred: frozenset[str] = frozenset()
         self._waiters: dict[str, _Waiter] = {}
+        self._key_cache: dict[str, list[str]] = {}
         self._leases: dict[str, RedisLease] = {}
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -186,8 +191,14 @@ class RedisBackend:
             f"{self._prefix}:stars"]
 
     async def _run(self, name: str, provider: str, *args: Any) -> Any:
+        keys = self._key_cache.get(provider)
+        if keys is None:
+            keys = self._key_cache[provider] = self._keys(provider)
         try:
-            result = await self._scripts[name](keys=self._keys(provider), args=list(args))
+            result = await self._scripts[name](keys=keys, args=args)
+        except ResponseError:
+            log.exception("redis script %s failed for provider=%s", name, provider)
+            raise
         except RedisError as exc:
             self._mark_unhealthy(exc)
             raise
@@ -276,14 +287,13 @@ class RedisBackend:
     async def _wait_for_grant(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings,
                               seq: int | None) -> SlotLease:
         """Enqueue in Redis and wait; while Redis is down, wait (fail_closed) or fall back (local)."""
+        waiter.seq = seq
         while True:
             try:
-                result = await self._run(
-                    "ENQUEUE", waiter.provider, waiter_id, self.replica, waiter.priority.workspace,
-                    "1" if waiter.priority.starred else "0", int(waiter.priority.prompt_started_at * 1000),
-                    waiter.priority.conversation or "", "" if seq is None else seq, self._lease_ttl_ms,
-                    self._waiter_ttl_ms, settings.max_queue, self._channel)
+                result = await self._enqueue(waiter_id, waiter, settings)
                 break
+            except ResponseError:
+                raise
             except RedisError:
                 if self._mode == "local":
                     return await self._local.acquire(waiter.provider, waiter.priority, seq=seq)
@@ -294,8 +304,18 @@ class RedisBackend:
                             "waiting); retry later", retry_after=1.0)
         if status == 1:
             return self._adopt(waiter_id, waiter, detail)
+        waiter.queued = True
         self._schedule_dispatch(waiter.provider, int(detail))
         return await waiter.future
+
+    async def _enqueue(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings) -> Any:
+        """ENQUEUE is idempotent per waiter id: a repeat keeps one entry, or returns the grant already made."""
+        priority = waiter.priority
+        return await self._run(
+            "ENQUEUE", waiter.provider, waiter_id, self.replica, priority.workspace,
+            "1" if priority.starred else "0", int(priority.prompt_started_at * 1000),
+            priority.conversation or "", "" if waiter.seq is None else waiter.seq, self._lease_ttl_ms,
+            self._waiter_ttl_ms, settings.max_queue, self._channel)
 
     def _adopt(self, waiter_id: str, waiter: _Waiter, grant: str) -> RedisLease:
         lease_id, granted_at = grant.split(" ")
@@ -364,7 +384,8 @@ class RedisBackend:
             self._mark_healthy()
         for provider in list(self._settings):
             leases = [lid for lid, lease in self._leases.items() if lease.provider == provider]
-            waiters = [wid for wid, w in self._waiters.items() if w.provider == provider and not w.future.done()]
+            waiters = [wid for wid, w in self._waiters.items()
+                       if w.provider == provider and w.queued and not w.future.done()]
             result = await self._run("RENEW", provider, self._lease_ttl_ms, self._waiter_ttl_ms, self._channel,
                                      len(leases), *leases, *waiters)
             missing, grants, lost, next_at = result
@@ -380,16 +401,20 @@ class RedisBackend:
             self._schedule_dispatch(provider, int(_text(next_at)))
 
     def _requeue_lost(self, waiter_id: str) -> None:
-        """A waiter whose heartbeat lapsed (Redis was away) is put back with its original priority."""
+        """A queued waiter Redis no longer knows (its heartbeat lapsed, or Redis restarted empty)
+        is put back with its original priority and arrival number."""
         waiter = self._waiters.get(waiter_id)
         if waiter is None or waiter.future.done():
             return
-        settings = self._settings[waiter.provider]
-        self._spawn(self._guarded(
-            "ENQUEUE", waiter.provider, waiter_id, self.replica, waiter.priority.workspace,
-            "1" if waiter.priority.starred else "0", int(waiter.priority.prompt_started_at * 1000),
-            waiter.priority.conversation or "", waiter.seq, self._lease_ttl_ms, self._waiter_ttl_ms,
-            settings.max_queue, self._channel))
+        self._spawn(self._requeue(waiter_id, waiter))
+
+    async def _requeue(self, waiter_id: str, waiter: _Waiter) -> None:
+        try:
+            result = await self._enqueue(waiter_id, waiter, self._settings[waiter.provider])
+        except RedisError:
+            return
+        if int(result[0]) == 1:
+            self._resolve(waiter_id, _text(result[1]))
 
     # ----- control ---------------------------------------------------------------
 
