@@ -40,20 +40,29 @@ class ClientKeys:
         return cls(keys, env_name)
 
     def _matches(self, candidate: str) -> bool:
-        given = candidate.encode()
+        given = candidate.encode("utf-8", "surrogateescape")
         found = False
         for key in self._keys:
             found |= hmac.compare_digest(given, key)
         return found
 
-    def check(self, headers: Mapping[str, str]) -> frozenset[str]:
-        """Raise Forbidden (401 none given, 403 wrong); else the lower-case header names to strip."""
-        presented = [
-            (CLIENT_KEY_HEADER.lower(), headers.get(CLIENT_KEY_HEADER)),
-            ("authorization", _bearer(headers.get("Authorization"))),
-            ("x-api-key", headers.get("x-api-key")),
-        ]
-        offered = [(name, value) for name, value in presented if value]
+    def check(self, headers: Mapping[str, str], *, provider_key_injected: bool) -> frozenset[str]:
+        """Raise Forbidden (401 none given, 403 wrong); else the lower-case header names to strip.
+
+        ``X-Slotproxy-Key``, when sent, is the only key considered. Otherwise the
+        Authorization/x-api-key value counts as the client key only where the proxy
+        injects the provider's key; elsewhere those carry the client's provider key.
+        """
+        dedicated = headers.get(CLIENT_KEY_HEADER)
+        if dedicated:
+            offered = [(CLIENT_KEY_HEADER.lower(), dedicated)]
+        elif provider_key_injected:
+            offered = [(name, value) for name, value in (
+                ("authorization", _bearer(headers.get("Authorization"))),
+                ("x-api-key", headers.get("x-api-key")),
+            ) if value]
+        else:
+            offered = []
         if not offered:
             raise Forbidden(f"a client key is required: send it as '{CLIENT_KEY_HEADER}: <key>'", status=401)
         for name, value in offered:

@@ -12,16 +12,17 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE
 
 from .admin import routes as admin_routes
 from .admin.metrics import Metrics
 from .access import ClientKeys
 from .backends import Backend, MemoryBackend
 from .config import Config, ProviderSettings
-from .errors import BadRequest, ProxyError, UnknownProvider
+from .errors import BadRequest, BodyTooLarge, ProxyError, UnknownProvider
 from .headers import PriorityHeaders
 from .limiter import LimiterSettings, SlotLease
-from .relay import PROVIDER, STATE, error_response, proxy_handler
+from .relay import PROVIDER, STATE, UNTYPED_BODY, error_response, proxy_handler
 from .state import StateStore
 from .usage import UsagePoller
 
@@ -320,12 +321,33 @@ def _method_not_allowed(message: str) -> web.Response:
     return response
 
 
+async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """Refuse an oversized body before the client sends it, instead of inviting it with 100 Continue."""
+    if request.version != aiohttp.HttpVersion11 or request.headers.get("Expect", "").lower() != "100-continue":
+        return None
+    max_body = request.app[STATE].config.server.max_body
+    if request.content_length is not None and request.content_length > max_body:
+        return error_response(BodyTooLarge(
+            f"request body of {request.content_length} bytes is over server.max_body ({max_body} bytes)"))
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    return None
+
+
+async def _drop_invented_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp names itself in a Server header, and types an untyped body as octet-stream; a relay adds neither."""
+    if response.headers.get("Server") == SERVER_SOFTWARE:
+        del response.headers["Server"]
+    if response.get(UNTYPED_BODY) and response.headers.get("Content-Type") == "application/octet-stream":
+        del response.headers["Content-Type"]
+
+
 def build_app(state: ProxyState) -> web.Application:
     app = web.Application(middlewares=[_guard], client_max_size=state.config.server.max_body + 1)
     app[STATE] = state
     admin_routes.add_routes(app)
-    app.router.add_route("*", "/{provider}", proxy_handler)
-    app.router.add_route("*", "/{provider}/{rest:.*}", proxy_handler)
+    app.router.add_route("*", "/{provider}", proxy_handler, expect_handler=_expect_continue)
+    app.router.add_route("*", "/{provider}/{rest:[\\s\\S]*}", proxy_handler, expect_handler=_expect_continue)
+    app.on_response_prepare.append(_drop_invented_headers)
 
     async def close_state(_: web.Application) -> None:
         await state.close()

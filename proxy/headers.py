@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from .errors import BadRequest
 from .limiter import Priority
 
 __all__ = [
@@ -28,7 +29,10 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
 _MAX_LABEL = 256
 _LABEL = re.compile(r"^[\x21-\x7e][\x20-\x7e]*$")
-_EPOCH_MS = re.compile(r"^\d{10,16}(\.\d+)?$")
+_EPOCH_MS = re.compile(r"^[0-9]{10,16}(\.[0-9]+)?$")
+_RFC3339 = re.compile(
+    r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?([Zz]|[+-][0-9]{2}:[0-9]{2})$"
+)
 _EARLIEST = datetime(2000, 1, 1, tzinfo=timezone.utc).timestamp()
 _FUTURE_SLACK = 300.0
 
@@ -79,12 +83,9 @@ def _prompt_started_at(value: str | None, now: float) -> float:
     if _EPOCH_MS.match(value):
         when = float(value) / 1000.0
     else:
-        if len(value) > 64:
+        if not _RFC3339.match(value):
             raise ValueError(value)
-        parsed = datetime.fromisoformat(value.replace("z", "Z"))
-        if parsed.tzinfo is None:
-            raise ValueError(value)
-        when = parsed.timestamp()
+        when = datetime.fromisoformat(value.upper().replace(" ", "T")).timestamp()
     if not _EARLIEST <= when <= now + _FUTURE_SLACK:
         raise ValueError(value)
     return when
@@ -144,9 +145,17 @@ def forward_request_headers(
     """
     drop = (_NOT_FORWARDED_UP if auth is None else _DROP_UP_WITH_AUTH) | strip | _connection_listed(incoming)
     out = [(name, value) for name, value in incoming.items() if name.lower() not in drop]
+    for name, value in out:
+        if not value.isascii() and _has_undecodable(value):
+            raise BadRequest(f"header {name[:64]} carries bytes that are not UTF-8; send it encoded")
     if auth is not None:
         out.append(auth)
     return out
+
+
+def _has_undecodable(value: str) -> bool:
+    """aiohttp keeps bytes that are not UTF-8 as lone surrogates; the client would drop them silently."""
+    return any("\udc80" <= ch <= "\udcff" for ch in value)
 
 
 def forward_response_headers(incoming: Mapping[str, str]) -> list[tuple[str, str]]:

@@ -8,7 +8,9 @@ import re
 import sys
 import time
 
-__all__ = ["JsonFormatter", "mask_secrets", "setup_logging"]
+from aiohttp.http_exceptions import HttpProcessingError
+
+__all__ = ["JsonFormatter", "QuietParserErrors", "mask_secrets", "setup_logging"]
 
 _SECRET = re.compile(
     r"(?i)(authorization|x-api-key|api[_-]?key|token|bearer)(\"?\s*[:=]?\s*\"?)(bearer\s+)?([A-Za-z0-9._~+/=-]{8,})"
@@ -40,6 +42,18 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class QuietParserErrors(logging.Filter):
+    """aiohttp logs a malformed request with its raw bytes (and any key in them): keep only the error class."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            record.msg, record.args = "rejected a bad request (%s)", (type(error).__name__,)
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
 def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
@@ -50,3 +64,7 @@ def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    for name in ("aiohttp.server", "aiohttp.web"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, QuietParserErrors) for f in logger.filters):
+            logger.addFilter(QuietParserErrors())

@@ -37,13 +37,14 @@ if TYPE_CHECKING:
     from .app import ProxyState
     from .config import ProviderSettings
 
-__all__ = ["PROVIDER", "QUEUE_MS_HEADER", "STATE", "error_response", "proxy_handler"]
+__all__ = ["PROVIDER", "QUEUE_MS_HEADER", "STATE", "UNTYPED_BODY", "error_response", "proxy_handler"]
 
 log = logging.getLogger("slotproxy.relay")
 
 QUEUE_MS_HEADER = "X-Slotproxy-Queue-Ms"
 STATE: web.AppKey[ProxyState] = web.AppKey("slotproxy")
 PROVIDER: web.RequestKey[str] = web.RequestKey("slotproxy_provider", str)
+UNTYPED_BODY: web.ResponseKey[bool] = web.ResponseKey("slotproxy_untyped_body", bool)
 _MAX_ERROR_BODY = 1 << 20
 _ONE_WRITE_MAX = 64 * 1024
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
@@ -89,15 +90,17 @@ def _route(request: web.Request, state: ProxyState) -> tuple[str, ProviderSettin
     provider = request.match_info["provider"]
     settings = state.provider(provider)
     if settings is None:
-        raise UnknownProvider(f"unknown provider '{provider}'; configured: {', '.join(state.provider_names()) or 'none'}")
+        known = "" if state.client_keys is not None else f"; configured: {', '.join(state.provider_names()) or 'none'}"
+        raise UnknownProvider(f"unknown provider '{provider}'{known}")
     decoded_rest = request.match_info.get("rest", "")
     if any(segment in (".", "..") for segment in decoded_rest.split("/")):
         raise BadRequest("dot segments ('.' or '..') are not allowed in the request path")
-    raw_path = request.raw_path.split("?", 1)[0]
+    raw_path, _, raw_query = request.raw_path.partition("?")
     raw_rest = raw_path.split("/", 2)[2] if raw_path.count("/") >= 2 else ""
     target = settings.upstream + "/" + raw_rest if raw_rest else settings.upstream
-    if request.query_string:
-        target += "?" + request.query_string
+    if raw_query:
+        # The query as the client encoded it: aiohttp's query_string is already decoded.
+        target += "?" + raw_query
     return provider, settings, URL(target, encoded=True)
 
 
@@ -120,7 +123,12 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if state.shutting_down:
         raise ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0)
-    consumed = state.client_keys.check(request.headers) if state.client_keys is not None else frozenset()
+    consumed: frozenset[str] = frozenset()
+    if state.client_keys is not None:
+        # Before routing, so that a client without a key learns nothing, not even which providers exist.
+        known = state.provider(request.match_info["provider"])
+        injected = known is not None and state.provider_auth(known) is not None
+        consumed = state.client_keys.check(request.headers, provider_key_injected=injected)
     provider, settings, url = _route(request, state)
     request[PROVIDER] = provider
     body = await _read_body(request, state.config.server.max_body)
@@ -265,6 +273,8 @@ class Exchange:
             return await self._relay_whole(upstream)
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(forward_response_headers(upstream.headers))
+        if "Content-Type" not in upstream.headers:
+            response[UNTYPED_BODY] = True
         if upstream.content_length is not None:
             response.content_length = upstream.content_length
         response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
@@ -292,6 +302,8 @@ class Exchange:
         body = await upstream.read()
         response = web.Response(status=upstream.status, reason=upstream.reason, body=body,
                                 headers=forward_response_headers(upstream.headers))
+        if "Content-Type" not in upstream.headers:
+            response[UNTYPED_BODY] = True
         response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
         self.response = response
         await _to_client(response.prepare(self.request))

@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..config.model import MAX_LIMIT
 from ..errors import AdminError
 from ..headers import valid_label
 from ..limiter import validate_limit
@@ -20,7 +21,6 @@ __all__ = ["add_routes"]
 
 log = logging.getLogger("slotproxy.admin")
 
-MAX_LIMIT = 100_000
 MAX_COOLDOWN_MS = 3_600_000
 _MAX_BODY = 4096
 
@@ -41,7 +41,8 @@ def authorize(request: web.Request) -> None:
     if not header or scheme.lower() != "bearer" or not given:
         raise AdminError(f"admin writes need 'Authorization: Bearer <token>' (the token is in ${state.config.admin.token_env})",
                          status=401, code="forbidden")
-    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+    if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
+                               token.encode("utf-8", "surrogateescape")):
         raise AdminError("the admin token is wrong", status=403, code="forbidden")
 
 

@@ -281,6 +281,9 @@ def _check_backend_url(value: str) -> str:
 _URL_SCHEMA = WithJsonSchema({"type": "string", "format": "uri", "pattern": "^https?://"})
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+MAX_LIMIT = 100_000
+"""The largest concurrency limit accepted, here and in the admin API."""
+
 if TYPE_CHECKING:
     Limit: TypeAlias = int | None
     PositiveIntOrNull: TypeAlias = int | None
@@ -288,7 +291,7 @@ if TYPE_CHECKING:
     Count: TypeAlias = int
     Status: TypeAlias = int
 else:
-    Limit = _int_type("must be a positive integer or null", 1, nullable=True)
+    Limit = _int_type("must be a positive integer or null", 1, MAX_LIMIT, nullable=True)
     PositiveIntOrNull = Limit
     Port = _int_type("must be a port number from 0 to 65535", 0, 65535)
     Count = _int_type("must be a whole number, 0 or more", 0)
