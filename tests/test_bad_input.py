@@ -809,7 +809,7 @@ YAML_ROWS = [
     # Refused only when Python's recursion limit stops the composer; until then PyYAML's pure-Python
     # scanner is quadratic in flow depth: ~0.7 s on a quiet machine whatever the depth, 2.5 s under
     # load. Correct but slow, so this row only guards against a hang (5 s); see the report.
-    ("deeply-nested", "a: " + "[" * 20000 + "]" * 20000 + "\n", "invalid YAML: nested too deeply"),
+    ("deeply-nested", "a: " + "[" * 20000 + "]" * 20000 + "\n", "YAML nests deeper than 64 levels"),
     ("python-tag", "x: !!python/object/apply:os.system ['true']\n", "^invalid YAML: could not determine a constructor"),
     ("top-level-list", "- a\n- b\n", "^the top level must be a mapping"),
     ("providers-list", "providers: [openai]\n", "providers: must be a mapping (line 1)"),
@@ -868,7 +868,7 @@ def test_yaml_bad_input_raises_config_error_with_the_key_path(text: str, problem
     with pytest.raises(ConfigError) as exc:
         parse_config(text)
     elapsed = time.perf_counter() - started
-    assert elapsed < (5.0 if "nested too deeply" in problem else 1.0), f"took {elapsed:.2f}s"
+    assert elapsed < 1.0, f"took {elapsed:.2f}s"
     problems = exc.value.problems
     if problem.startswith("^"):
         assert any(p.startswith(problem[1:]) for p in problems), problems

@@ -23,9 +23,10 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from proxy.config.model import Config
 from proxy.errors import ConfigError
 
-__all__ = ["MAX_YAML_NODES", "load_config", "parse_config"]
+__all__ = ["MAX_YAML_DEPTH", "MAX_YAML_NODES", "load_config", "parse_config"]
 
 MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 64
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 Loc = tuple[str | int, ...]
@@ -46,6 +47,7 @@ class _Loader(yaml.SafeLoader):
     def __init__(self, stream: str) -> None:
         super().__init__(stream)
         self.expanded_nodes = 0
+        self.depth = 0
         self._subtree_sizes: dict[int, int] = {}
 
     def compose_node(self, parent: Node | None, index: object) -> Node:
@@ -62,7 +64,13 @@ class _Loader(yaml.SafeLoader):
             return node
         before = self.expanded_nodes
         self._count(1)
-        node = super().compose_node(parent, index)
+        self.depth += 1
+        if self.depth > MAX_YAML_DEPTH:
+            raise _TooManyNodes(f"YAML nests deeper than {MAX_YAML_DEPTH} levels")
+        try:
+            node = super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
         self._subtree_sizes[id(node)] = self.expanded_nodes - before
         return node
 
