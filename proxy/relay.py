@@ -31,7 +31,7 @@ from .errors import (
 )
 from .headers import forward_request_headers, forward_response_headers, parse_priority
 from .limiter import Priority, SlotLease
-from .signals import Backoff, StreamErrorScanner, classify_response
+from .signals import Backoff, StreamErrorScanner, classify_response, readable_body
 
 if TYPE_CHECKING:
     from .app import ProxyState
@@ -248,29 +248,31 @@ class Exchange:
     async def _relay_backoff(
         self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, retry_allowed: bool
     ) -> web.StreamResponse:
-        body = await upstream.content.read(_MAX_ERROR_BODY)
+        body, complete = await _read_capped(upstream.content, _MAX_ERROR_BODY)
+        readable = readable_body(body, upstream.headers.get("Content-Encoding"))
         backoff = classify_response(
-            upstream.status, upstream.headers, body, self.settings.backoff_statuses, time.time()
+            upstream.status, upstream.headers, readable, self.settings.backoff_statuses, time.time()
         )
         if backoff is not None:
             self._report(backoff, lease)
             if retry_allowed:
                 log.info("provider=%s retrying after a %s (the client has seen nothing yet)", self.provider, backoff.cause)
                 raise _Retry
-        response = web.Response(status=upstream.status, reason=upstream.reason, body=body)
-        response.headers.extend(forward_response_headers(upstream.headers))
-        response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
-        return response
+        if not complete:
+            return await self._stream(upstream, lease, prefix=body)
+        return await self._send_whole(upstream, body)
 
     def _report(self, backoff: Backoff, lease: SlotLease | _NoSlot) -> None:
         self.state.metrics.backoffs.labels(self.provider, backoff.cause).inc()
         self.state.backend.report_backoff(self.provider, backoff.cause, backoff.wait, lease.granted_at)
 
-    async def _stream(self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot) -> web.StreamResponse:
+    async def _stream(
+        self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, prefix: bytes = b""
+    ) -> web.StreamResponse:
         length = upstream.content_length
-        if length is not None and length <= _ONE_WRITE_MAX and self.request.method != "HEAD" \
+        if not prefix and length is not None and length <= _ONE_WRITE_MAX and self.request.method != "HEAD" \
                 and not _is_event_stream(upstream):
-            return await self._relay_whole(upstream)
+            return await self._send_whole(upstream, await upstream.read())
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.extend(forward_response_headers(upstream.headers))
         if "Content-Type" not in upstream.headers:
@@ -280,6 +282,8 @@ class Exchange:
         response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
         self.response = response
         await _to_client(response.prepare(self.request))
+        if prefix:
+            await _to_client(response.write(prefix))
         scanner = StreamErrorScanner() if _is_event_stream(upstream) else None
         # Cancellation point: the client may leave at any await below; the handler
         # is cancelled and the caller's finally releases the slot.
@@ -297,9 +301,8 @@ class Exchange:
         return response
 
 
-    async def _relay_whole(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _send_whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.StreamResponse:
         """A small fixed-length answer: headers and body leave in one write, still before the slot is released."""
-        body = await upstream.read()
         response = web.Response(status=upstream.status, reason=upstream.reason, body=body,
                                 headers=forward_response_headers(upstream.headers))
         if "Content-Type" not in upstream.headers:
@@ -309,6 +312,18 @@ class Exchange:
         await _to_client(response.prepare(self.request))
         await _to_client(response.write_eof())
         return response
+
+
+async def _read_capped(content: aiohttp.StreamReader, cap: int) -> tuple[bytes, bool]:
+    """Up to ``cap`` bytes of a body, and whether that was all of it."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in content.iter_any():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size >= cap:
+            return b"".join(chunks), content.at_eof()
+    return b"".join(chunks), True
 
 
 async def _to_client(write: Awaitable[object]) -> None:

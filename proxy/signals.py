@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import zlib
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timezone
@@ -22,6 +23,7 @@ __all__ = [
     "StreamErrorScanner",
     "classify_response",
     "is_quota_exhausted",
+    "readable_body",
     "stated_wait",
 ]
 
@@ -54,6 +56,22 @@ class Backoff:
 
     cause: str
     wait: float | None
+
+
+def readable_body(body: bytes, content_encoding: str | None) -> bytes:
+    """A bounded, decoded copy of an error body for reading it; the bytes relayed stay as they came."""
+    encoding = (content_encoding or "").strip().lower()
+    if encoding not in ("gzip", "x-gzip", "deflate"):
+        return body
+    wbits = 47 if encoding != "deflate" else 15
+    try:
+        decoder = zlib.decompressobj(wbits)
+        decoded = decoder.decompress(body, _MAX_BODY)
+        if encoding == "deflate" and not decoded and body:
+            decoded = zlib.decompressobj(-15).decompress(body, _MAX_BODY)
+    except zlib.error:
+        return b""
+    return decoded
 
 
 def stated_wait(headers: Mapping[str, str], body: bytes | None, now: float) -> float | None:

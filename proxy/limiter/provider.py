@@ -207,6 +207,7 @@ class ProviderLimiter:
         self._auto_reduced_from: int | None = None
         self._notice: str | None = None
         self._recovery_timer: Timer | None = None
+        self._quiet_since: float | None = None
         self._dispatching = False
         self._active: set[Lease] = set()
         self.gate: AdmissionGate | None = None
@@ -430,6 +431,7 @@ class ProviderLimiter:
         self.counters["backoffs"] += 1
         same_burst = self.paused() or (sent_at is not None and sent_at <= self._last_reduction_at)
         self._pause_until(now + pause, cause)
+        self._quiet_since = now
         if not same_burst:
             self._last_reduction_at = now
             self._auto_reduce(cause)
@@ -462,15 +464,21 @@ class ProviderLimiter:
         log.warning("provider=%s %s", self.name, self._notice)
 
     def _arm_recovery(self) -> None:
+        """Time the next recovery step: ``recovery_after`` past the later of the last backoff and the last step."""
         if self._recovery_timer is not None:
             self._recovery_timer.cancel()
             self._recovery_timer = None
-        if self._settings.recovery_after is not None and self._auto_reduced_from is not None:
-            self._recovery_timer = self._clock.call_later(self._settings.recovery_after, self._recover_step)
+        after = self._settings.recovery_after
+        if after is None or self._auto_reduced_from is None:
+            return
+        since = self._quiet_since if self._quiet_since is not None else self._clock.time()
+        delay = max(0.0, since + after - self._clock.time())
+        self._recovery_timer = self._clock.call_later(delay, self._recover_step)
 
     def _recover_step(self) -> None:
         """recovery.after passed with no backoff: raise the limit one step toward its old value."""
         self._recovery_timer = None
+        self._quiet_since = self._clock.time()
         target = self._auto_reduced_from
         if target is None or self._limit is None:
             return
@@ -520,9 +528,10 @@ class ProviderLimiter:
             self._cooldown = settings.release_cooldown
         if settings.limit != old.limit:
             self.set_limit(settings.limit)
-        else:
+            return
+        if settings.recovery_after != old.recovery_after:
             self._arm_recovery()
-            self._dispatch()
+        self._dispatch()
 
     @property
     def settings(self) -> LimiterSettings:

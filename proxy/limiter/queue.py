@@ -40,9 +40,9 @@ class Waiter:
     timer: Timer | None = field(default=None, repr=False)
 
     def sort_key(self) -> int:
-        """(starred, prompt start in ms, arrival) packed into one int: one C-level compare per heap step."""
-        started_ms = max(0, int(self.priority.prompt_started_at * 1000))
-        return ((0 if self.starred else 1) << 96) | (started_ms << 48) | self.seq
+        """(starred, prompt start in µs, arrival) packed into one int: one C-level compare per heap step."""
+        started_us = max(0, round(self.priority.prompt_started_at * 1_000_000))
+        return ((0 if self.starred else 1) << 128) | (started_us << 64) | self.seq
 
 
 class WaiterQueue:
