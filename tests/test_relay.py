@@ -8,7 +8,6 @@ import json
 import logging
 import time
 
-import aiohttp
 import openai
 import pytest
 from aiohttp import web
