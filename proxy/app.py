@@ -52,7 +52,7 @@ class ProxyState:
         self.config_path = config_path
         self.config_error: str | None = None
         self.backend: Backend = backend or make_backend(config)
-        self.metrics = Metrics(self.backend.statistics, self.backend.backend_status)
+        self.metrics = Metrics(lambda: self.backend.statistics(queue_detail=False), self.backend.backend_status)
         self.store = StateStore(_state_path(config, config_path))
         self._star_overrides: dict[str, bool] = {}
         self._save_pending = False

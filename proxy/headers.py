@@ -12,6 +12,7 @@ from .limiter import Priority
 
 __all__ = [
     "HOP_BY_HOP",
+    "check_header_bytes",
     "PriorityHeaders",
     "forward_request_headers",
     "forward_response_headers",
@@ -145,17 +146,17 @@ def forward_request_headers(
     """
     drop = (_NOT_FORWARDED_UP if auth is None else _DROP_UP_WITH_AUTH) | strip | _connection_listed(incoming)
     out = [(name, value) for name, value in incoming.items() if name.lower() not in drop]
-    for name, value in out:
-        if not value.isascii() and _has_undecodable(value):
-            raise BadRequest(f"header {name[:64]} carries bytes that are not UTF-8; send it encoded")
     if auth is not None:
         out.append(auth)
     return out
 
 
-def _has_undecodable(value: str) -> bool:
-    """aiohttp keeps bytes that are not UTF-8 as lone surrogates; the client would drop them silently."""
-    return any("\udc80" <= ch <= "\udcff" for ch in value)
+def check_header_bytes(incoming: Mapping[str, str]) -> None:
+    """Refuse header values with bytes that are not UTF-8 (aiohttp keeps them as lone surrogates,
+    and its client would drop them silently on the way upstream)."""
+    for name, value in incoming.items():
+        if not value.isascii() and any("\udc80" <= ch <= "\udcff" for ch in value):
+            raise BadRequest(f"header {name[:64]} carries bytes that are not UTF-8; send it encoded")
 
 
 def forward_response_headers(incoming: Mapping[str, str]) -> list[tuple[str, str]]:

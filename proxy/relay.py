@@ -29,7 +29,7 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from .headers import forward_request_headers, forward_response_headers, parse_priority
+from .headers import check_header_bytes, forward_request_headers, forward_response_headers, parse_priority
 from .limiter import Priority, SlotLease
 from .signals import Backoff, StreamErrorScanner, classify_response, readable_body
 
@@ -131,6 +131,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         consumed = state.client_keys.check(request.headers, provider_key_injected=injected)
     provider, settings, url = _route(request, state)
     request[PROVIDER] = provider
+    check_header_bytes(request.headers)
     body = await _read_body(request, state.config.server.max_body)
     priority, invalid = parse_priority(request.headers, state.priority_headers, time.time())
     for key in invalid:
@@ -166,10 +167,7 @@ class Exchange:
         self.needs_slot = request.method in settings.slot_methods
         self.response: web.StreamResponse | None = None
         self.queue_ms = 0
-        self.headers = forward_request_headers(
-            request.headers, strip=state.strip_headers | consumed if consumed else state.strip_headers,
-            auth=state.provider_auth(settings)
-        )
+        self.consumed = consumed
 
     async def run(self) -> web.StreamResponse:
         retries_left = self.settings.retry_on_429
@@ -231,11 +229,15 @@ class Exchange:
 
     async def _exchange(self, lease: SlotLease | _NoSlot, retry_allowed: bool) -> web.StreamResponse:
         session = self.state.session_for(self.settings)
+        # Built after the grant: a queued request holds nothing it does not need yet.
+        strip = self.state.strip_headers | self.consumed if self.consumed else self.state.strip_headers
+        headers = forward_request_headers(self.request.headers, strip=strip,
+                                          auth=self.state.provider_auth(self.settings))
         data = None if (not self.body and self.request.method in _NO_BODY_METHODS) else self.body
         async with session.request(
             self.request.method,
             self.url,
-            headers=self.headers,
+            headers=headers,
             data=data,
             allow_redirects=False,
             timeout=self.state.client_timeout(self.settings),

@@ -101,9 +101,9 @@ class MemoryBackend:
     def starred(self) -> frozenset[str]:
         return self._starred
 
-    def statistics(self) -> list[ProviderStatus]:
+    def statistics(self, *, queue_detail: bool = True) -> list[ProviderStatus]:
         self._drop_idle_retired()
-        return [limiter.statistics() for limiter in self._limiters.values()]
+        return [limiter.statistics(queue_detail=queue_detail) for limiter in self._limiters.values()]
 
     def provider_status(self, provider: str) -> ProviderStatus:
         return self.limiter(provider).statistics()

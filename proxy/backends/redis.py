@@ -502,7 +502,7 @@ class RedisBackend:
             counters=counters,
         )
 
-    def statistics(self) -> list[ProviderStatus]:
+    def statistics(self, *, queue_detail: bool = True) -> list[ProviderStatus]:
         return [self.provider_status(name) for name in self._settings]
 
     def provider_status(self, provider: str) -> ProviderStatus:

@@ -33,6 +33,9 @@ __all__ = [
 
 log = logging.getLogger("slotproxy.limiter")
 
+QUEUE_LISTED = 1000
+"""Waiters listed in a status snapshot: the head of the queue, so status stays cheap with 10 000 waiting."""
+
 
 def auto_reduce_notice(limit: int | str, cause: str) -> str:
     return f"Concurrency limit auto-reduced to {limit} after a {cause} — restore manually when ready."
@@ -572,6 +575,7 @@ class ProviderLimiter:
     # ----- observing -------------------------------------------------------------
 
     def statistics(self, *, queue_detail: bool = True) -> ProviderStatus:
+        """The status snapshot; the queue listing holds the next ``QUEUE_LISTED`` waiters at most."""
         now = self._clock.time()
         queue: tuple[WaiterStatus, ...] = ()
         if queue_detail:
@@ -583,7 +587,7 @@ class ProviderLimiter:
                     waited_ms=_ms(now - w.enqueued_at),
                     conversation=w.priority.conversation,
                 )
-                for w in self._queue.in_order()
+                for w in self._queue.in_order(QUEUE_LISTED)
             )
         return ProviderStatus(
             provider=self.name,

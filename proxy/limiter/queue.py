@@ -45,6 +45,10 @@ class Waiter:
         return ((0 if self.starred else 1) << 128) | (started_us << 64) | self.seq
 
 
+def _key(entry: tuple[int, Waiter]) -> int:
+    return entry[0]
+
+
 class WaiterQueue:
     def __init__(self) -> None:
         self._heap: list[tuple[int, Waiter]] = []
@@ -82,11 +86,12 @@ class WaiterQueue:
             waiter.starred = waiter.priority.starred or waiter.priority.workspace in starred_workspaces
         self._rebuild()
 
-    def in_order(self) -> Iterator[Waiter]:
-        """Live waiters in admission order (for status; O(n log n), not on any hot path)."""
-        for _, waiter in sorted(self._heap, key=lambda entry: entry[0]):
-            if waiter.queued:
-                yield waiter
+    def in_order(self, limit: int | None = None) -> Iterator[Waiter]:
+        """Live waiters in admission order, the first ``limit`` of them (for status; not on a hot path)."""
+        live = (entry for entry in self._heap if entry[1].queued)
+        ordered = sorted(live, key=_key) if limit is None else heapq.nsmallest(limit, live, key=_key)
+        for _, waiter in ordered:
+            yield waiter
 
     def _rebuild(self) -> None:
         self._heap = [(w.sort_key(), w) for _, w in self._heap if w.queued]
