@@ -151,11 +151,12 @@ def forward_request_headers(
     return out
 
 
-def check_header_bytes(incoming: Mapping[str, str]) -> None:
-    """Refuse header values with bytes that are not UTF-8 (aiohttp keeps them as lone surrogates,
-    and its client would drop them silently on the way upstream)."""
+def check_header_bytes(incoming: Mapping[str, str], *, skip: frozenset[str]) -> None:
+    """Refuse forwarded header values with bytes that are not UTF-8 (aiohttp keeps them as lone
+    surrogates, and its client would drop them silently on the way upstream). ``skip`` holds the
+    lower-case names that are never forwarded (the priority headers: those fall back instead)."""
     for name, value in incoming.items():
-        if not value.isascii() and any("\udc80" <= ch <= "\udcff" for ch in value):
+        if not value.isascii() and name.lower() not in skip and any("\udc80" <= ch <= "\udcff" for ch in value):
             raise BadRequest(f"header {name[:64]} carries bytes that are not UTF-8; send it encoded")
 
 

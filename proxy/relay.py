@@ -131,7 +131,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         consumed = state.client_keys.check(request.headers, provider_key_injected=injected)
     provider, settings, url = _route(request, state)
     request[PROVIDER] = provider
-    check_header_bytes(request.headers)
+    check_header_bytes(request.headers, skip=state.strip_headers)
     body = await _read_body(request, state.config.server.max_body)
     priority, invalid = parse_priority(request.headers, state.priority_headers, time.time())
     for key in invalid:
