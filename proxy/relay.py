@@ -175,8 +175,13 @@ class Exchange:
         waited = 0.0
         while True:
             asked_at = time.monotonic()
+            lease: SlotLease | _NoSlot
             try:
-                lease = await self._acquire(seq)
+                if self.needs_slot:
+                    lease = await self.state.backend.acquire(self.provider, self.priority, seq=seq)
+                    self.state.observe_grant(self.provider, lease)
+                else:
+                    lease = _NoSlot()
             except (QueueFull, QueueTimeout, ShuttingDown) as exc:
                 self.queue_ms = int((waited + time.monotonic() - asked_at) * 1000)
                 return error_response(exc, queue_ms=self.queue_ms)
@@ -189,13 +194,6 @@ class Exchange:
                 retries_left -= 1
             finally:
                 lease.release()
-
-    async def _acquire(self, seq: int | None) -> SlotLease | _NoSlot:
-        if not self.needs_slot:
-            return _NoSlot()
-        lease = await self.state.backend.acquire(self.provider, self.priority, seq=seq)
-        self.state.observe_grant(self.provider, lease)
-        return lease
 
     async def _attempt(self, lease: SlotLease | _NoSlot, *, retry_allowed: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()

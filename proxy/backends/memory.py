@@ -11,6 +11,25 @@ from ..limiter import SlotLease, Clock, Lease, LimiterSettings, LoopClock, Prior
 __all__ = ["MemoryBackend"]
 
 
+class _Parked:
+    """A caller waiting for a slot: one small object whose bound methods the core calls."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future[Lease]) -> None:
+        self.future = future
+
+    def grant(self, lease: Lease) -> None:
+        if self.future.done():
+            lease.release()
+        else:
+            self.future.set_result(lease)
+
+    def reject(self, error: ProxyError) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
 class MemoryBackend:
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock: Clock = clock or LoopClock()
@@ -58,24 +77,14 @@ class MemoryBackend:
         lease = limiter.try_acquire(priority, seq)
         if lease is not None:
             return lease
-        future: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
-
-        def on_grant(lease: Lease) -> None:
-            if future.done():
-                lease.release()
-            else:
-                future.set_result(lease)
-
-        def on_reject(error: ProxyError) -> None:
-            if not future.done():
-                future.set_exception(error)
-
-        waiter = limiter.enqueue(priority, on_grant, on_reject, seq)
+        parked = _Parked(asyncio.get_running_loop().create_future())
+        waiter = limiter.enqueue(priority, parked.grant, parked.reject, seq)
         try:
-            return await future
+            return await parked.future
         except asyncio.CancelledError:
             # Cancellation point: the client left while queued. The grant may have
             # landed in the same loop turn; then the slot is handed straight back.
+            future = parked.future
             if future.done() and not future.cancelled() and future.exception() is None:
                 future.result().release()
             else:

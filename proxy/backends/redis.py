@@ -321,7 +321,7 @@ class RedisBackend:
         lease_id, granted_at = grant.split(" ")
         queue_wait = asyncio.get_running_loop().time() - waiter.asked_at
         lease = RedisLease(self, waiter.provider, waiter_id, lease_id, int(granted_at), queue_wait, waiter.priority,
-                           waiter.seq)
+                           waiter.seq or 0)
         self._leases[lease_id] = lease
         slot_timeout = self._settings[waiter.provider].slot_timeout
         if slot_timeout is not None:

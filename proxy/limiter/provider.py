@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from ..errors import ProxyError, QueueFull, QueueTimeout
 from .clock import Clock, Timer
+from .deadlines import Deadlines
 from .queue import Priority, Waiter, WaiterQueue
 
 __all__ = [
@@ -201,6 +202,7 @@ class ProviderLimiter:
         self._cooldown = settings.release_cooldown
         self._starred = frozenset(starred)
         self._queue = WaiterQueue()
+        self._deadlines = Deadlines(clock, self._expire)
         self._arrivals = itertools.count()
         self._held = 0
         self._cooling = 0
@@ -270,7 +272,7 @@ class ProviderLimiter:
         )
         self._queue.push(waiter)
         if self._settings.queue_timeout is not None:
-            waiter.timer = self._clock.call_later(self._settings.queue_timeout, lambda: self._expire(waiter))
+            self._deadlines.add(waiter, now + self._settings.queue_timeout)
         self._dispatch()
         if waiter.queued and self.gate is not None:
             self.gate.request_poll()
@@ -278,19 +280,22 @@ class ProviderLimiter:
 
     def cancel(self, waiter: Waiter) -> None:
         """The waiter's client left: take it out of the queue; it is never granted."""
-        if self._queue.remove(waiter) and waiter.timer is not None:
-            waiter.timer.cancel()
+        if self._queue.remove(waiter):
+            waiter.forget_callbacks()
+            self._deadlines.settle(len(self._queue))
 
     def _expire(self, waiter: Waiter) -> None:
         if not self._queue.remove(waiter):
             return
+        on_reject = waiter.on_reject
+        waiter.forget_callbacks()
         self.counters["queue_timeouts"] += 1
         log.warning(
             "provider=%s request from workspace=%s timed out after %.1fs in the queue",
             self.name, waiter.priority.workspace, self._clock.time() - waiter.enqueued_at,
         )
-        if waiter.on_reject is not None:
-            waiter.on_reject(QueueTimeout(
+        if on_reject is not None:
+            on_reject(QueueTimeout(
                 f"waited longer than queue_timeout ({self._settings.queue_timeout:g}s) for a slot "
                 f"on provider '{self.name}'; retry later",
                 retry_after=self._retry_after_hint(),
@@ -299,12 +304,13 @@ class ProviderLimiter:
     def shed(self, error: ProxyError) -> int:
         """Reject every waiter (graceful shutdown); returns how many there were."""
         count = 0
+        self._deadlines.clear()
         while (waiter := self._queue.pop()) is not None:
             count += 1
-            if waiter.timer is not None:
-                waiter.timer.cancel()
-            if waiter.on_reject is not None:
-                waiter.on_reject(error)
+            on_reject = waiter.on_reject
+            waiter.forget_callbacks()
+            if on_reject is not None:
+                on_reject(error)
         return count
 
     def _retry_after_hint(self) -> float:
@@ -363,12 +369,14 @@ class ProviderLimiter:
                 waiter = self._queue.pop()
                 if waiter is None:
                     break
-                if waiter.timer is not None:
-                    waiter.timer.cancel()
+                on_grant = waiter.on_grant
+                waiter.forget_callbacks()
                 lease = self._grant(waiter.priority, waiter.seq, queue_wait=self._clock.time() - waiter.enqueued_at)
-                waiter.on_grant(lease)
+                if on_grant is not None:
+                    on_grant(lease)
         finally:
             self._dispatching = False
+            self._deadlines.settle(len(self._queue))
 
     def dispatch(self) -> None:
         """Grant whoever may go now (after a usage poll answered, say)."""
@@ -525,7 +533,10 @@ class ProviderLimiter:
         self._queue.restar(self._starred)
 
     def apply_settings(self, settings: LimiterSettings) -> None:
-        """A config reload. A changed YAML limit or cooldown counts as a manual change."""
+        """A config reload. A changed YAML limit or cooldown counts as a manual change.
+
+        A changed queue_timeout applies to requests queued from now on.
+        """
         old, self._settings = self._settings, settings
         if settings.release_cooldown != old.release_cooldown:
             self._cooldown = settings.release_cooldown

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .clock import Timer
+from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Priority", "Waiter", "WaiterQueue"]
 
@@ -33,11 +30,16 @@ class Waiter:
     priority: Priority
     seq: int
     enqueued_at: float
-    on_grant: Callable[[Any], None]
+    on_grant: Callable[[Any], None] | None
     on_reject: Callable[[Any], None] | None = None
     starred: bool = False
     queued: bool = True
-    timer: Timer | None = field(default=None, repr=False)
+    deadline: float | None = None
+
+    def forget_callbacks(self) -> None:
+        """Drop the references to the caller's future once the waiter has left the queue."""
+        self.on_grant = None
+        self.on_reject = None
 
     def sort_key(self) -> int:
         """(starred, prompt start in µs, arrival) packed into one int: one C-level compare per heap step."""

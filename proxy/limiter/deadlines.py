@@ -1,0 +1,72 @@
+"""Queue timeouts with one timer per provider, not one per waiter.
+
+Deadlines sit in a min-heap and one timer is armed for the earliest. A waiter
+that leaves early (granted, cancelled) is not searched for: it is skipped when it
+reaches the top, or dropped when the heap is compacted. Its callbacks are cleared
+when it leaves, so what lingers is small.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+from .clock import Clock, Timer
+from .queue import Waiter
+
+__all__ = ["Deadlines"]
+
+
+class Deadlines:
+    def __init__(self, clock: Clock, on_due: Callable[[Waiter], None]) -> None:
+        self._clock = clock
+        self._on_due = on_due
+        self._heap: list[tuple[float, int, Waiter]] = []
+        self._timer: Timer | None = None
+        self._armed_for: float | None = None
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, waiter: Waiter, deadline: float) -> None:
+        waiter.deadline = deadline
+        heapq.heappush(self._heap, (deadline, waiter.seq, waiter))
+        if self._armed_for is None or deadline < self._armed_for:
+            self._arm(deadline)
+
+    def settle(self, live: int) -> None:
+        """Drop waiters that already left from the top; compact when mostly dead; disarm when empty."""
+        while self._heap and not self._heap[0][2].queued:
+            heapq.heappop(self._heap)
+        if len(self._heap) > 2 * live + 64:
+            self._heap = [entry for entry in self._heap if entry[2].queued]
+            heapq.heapify(self._heap)
+        if not self._heap:
+            self.clear()
+
+    def clear(self) -> None:
+        self._heap.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._armed_for = None
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._armed_for = when
+        self._timer = self._clock.call_later(when - self._clock.time(), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self._armed_for = None
+        now = self._clock.time()
+        while self._heap:
+            deadline, _, waiter = self._heap[0]
+            if waiter.queued and deadline > now:
+                break
+            heapq.heappop(self._heap)
+            if waiter.queued:
+                self._on_due(waiter)
+        if self._heap and self._timer is None:
+            self._arm(self._heap[0][0])

@@ -1,0 +1,52 @@
+"""Queue timeouts share one timer per provider; waiters that left early cost nothing later."""
+
+from __future__ import annotations
+
+from proxy.limiter import FakeClock, Lease, LimiterSettings, Priority, ProviderLimiter
+
+T0 = 1_700_000_000.0
+
+
+def test_one_timer_serves_every_waiting_request() -> None:
+    clock = FakeClock(T0)
+    limiter = ProviderLimiter("p", LimiterSettings(limit=1, queue_timeout=10.0, slot_timeout=None), clock)
+    assert limiter.try_acquire(Priority(prompt_started_at=T0)) is not None
+    expired: list[int] = []
+    for i in range(100):
+        limiter.enqueue(Priority(prompt_started_at=T0), lambda lease: None, lambda error, i=i: expired.append(i))
+        clock.advance(0.01)
+    assert clock.pending == 1
+    clock.advance(10.0 - 0.5)
+    assert expired == list(range(50))
+    clock.advance(1.0)
+    assert expired == list(range(100))
+    assert clock.pending == 0
+
+
+def test_granted_and_cancelled_waiters_release_their_callbacks_and_the_timer() -> None:
+    clock = FakeClock(T0)
+    limiter = ProviderLimiter("p", LimiterSettings(limit=1, queue_timeout=10.0, slot_timeout=None), clock)
+    holder = limiter.try_acquire(Priority(prompt_started_at=T0))
+    assert holder is not None
+    granted: list[Lease] = []
+    first = limiter.enqueue(Priority(prompt_started_at=T0), granted.append)
+    second = limiter.enqueue(Priority(prompt_started_at=T0), granted.append)
+    limiter.cancel(second)
+    holder.release()
+    assert len(granted) == 1
+    assert first.on_grant is None and second.on_grant is None
+    assert clock.pending == 0
+
+
+def test_a_shorter_queue_timeout_after_a_reload_is_honoured() -> None:
+    clock = FakeClock(T0)
+    limiter = ProviderLimiter("p", LimiterSettings(limit=1, queue_timeout=60.0, slot_timeout=None), clock)
+    assert limiter.try_acquire(Priority(prompt_started_at=T0)) is not None
+    expired: list[str] = []
+    limiter.enqueue(Priority(prompt_started_at=T0), lambda lease: None, lambda error: expired.append("old"))
+    limiter.apply_settings(LimiterSettings(limit=1, queue_timeout=5.0, slot_timeout=None))
+    limiter.enqueue(Priority(prompt_started_at=T0), lambda lease: None, lambda error: expired.append("new"))
+    clock.advance(5.5)
+    assert expired == ["new"]
+    clock.advance(60)
+    assert expired == ["new", "old"]
