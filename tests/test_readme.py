@@ -21,3 +21,42 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_readme_serve_command_uses_the_example_config() -> None:
     assert "pip install -e . && slotproxy serve --config config.example.yaml" in README
     assert (REPO / "config.example.yaml").is_file()
+
+
+def _block_after(marker: str, fence: str) -> str:
+    start = README.index(marker)
+    opening = README.index(fence, start)
+    body_start = README.index("\n", opening) + 1
+    end = README.index("```", body_start)
+    return README[body_start:end]
+
+
+def test_the_redis_backend_snippet_is_a_valid_config() -> None:
+    from proxy.config import parse_config
+
+    block = _block_after("## Several replicas: the Redis backend", "```yaml")
+    config = parse_config(block + "providers:\n  openai: {upstream: 'https://api.openai.com/v1', limit: 8}\n")
+    assert (config.backend.kind, config.backend.lease_ttl, config.backend.on_backend_error) == ("redis", 30.0, "fail_closed")
+
+
+async def test_the_admin_api_curl_lines_do_what_they_say(start_upstream, start_proxy) -> None:
+    import asyncio
+    import shlex
+    import shutil
+
+    block = _block_after("**Admin API**", "```sh")
+    lines = [line.split("#")[0].strip() for line in block.splitlines() if line.strip().startswith("curl")]
+    assert len(lines) == 3
+    upstream = await start_upstream()
+    proxy = await start_proxy(f"state: {{path: null}}\nproviders:\n  openai: {{upstream: '{upstream.url}/v1', limit: 3}}\n")
+    for line in lines:
+        argv = shlex.split(line.replace("localhost:8787", f"127.0.0.1:{proxy.port}"))
+        if shutil.which("curl") is None:
+            raise AssertionError("curl is needed to run the README's admin examples (apt-get install curl)")
+        process = await asyncio.create_subprocess_exec(*argv, "-sS", "-f", stdout=asyncio.subprocess.PIPE,
+                                                       stderr=asyncio.subprocess.PIPE)
+        out, err = await process.communicate()
+        assert process.returncode == 0, (line, out, err)
+    status = proxy.status()
+    assert (status["limit"], status["cooldown_ms"]) == (6, 1500)
+    assert "release-team" in proxy.state.backend.starred()
