@@ -7,7 +7,8 @@ import json
 import logging
 import math
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -20,6 +21,8 @@ from ..relay import STATE
 __all__ = ["add_routes"]
 
 log = logging.getLogger("slotproxy.admin")
+
+T = TypeVar("T")
 
 MAX_COOLDOWN_MS = 3_600_000
 _MAX_BODY = 4096
@@ -95,30 +98,39 @@ async def _provider_answer(request: web.Request, provider: str) -> web.Response:
     return web.json_response(backend.provider_status(provider).to_dict())
 
 
-async def put_limit(request: web.Request) -> web.Response:
+async def _provider_write(
+    request: web.Request, parse: Callable[[dict[str, Any]], T], apply: Callable[[str, T], str]
+) -> web.Response:
+    """Authorize, find the provider, validate the body, apply, log, answer its status."""
     try:
         authorize(request)
         provider = _provider(request)
-        limit = _limit_from(await _json_object(request))
+        value = parse(await _json_object(request))
     except AdminError as exc:
         return _error(exc)
-    state = request.app[STATE]
-    state.backend.set_limit(provider, limit)
-    log.info("provider=%s limit set to %s via the admin API", provider, "unlimited" if limit is None else limit)
+    what = apply(provider, value)
+    log.info("provider=%s %s via the admin API", provider, what)
     return await _provider_answer(request, provider)
+
+
+async def put_limit(request: web.Request) -> web.Response:
+    backend = request.app[STATE].backend
+
+    def apply(provider: str, limit: int | None) -> str:
+        backend.set_limit(provider, limit)
+        return f"limit set to {'unlimited' if limit is None else limit}"
+
+    return await _provider_write(request, _limit_from, apply)
 
 
 async def put_cooldown(request: web.Request) -> web.Response:
-    try:
-        authorize(request)
-        provider = _provider(request)
-        seconds = _cooldown_from(await _json_object(request))
-    except AdminError as exc:
-        return _error(exc)
-    state = request.app[STATE]
-    state.backend.set_cooldown(provider, seconds)
-    log.info("provider=%s release cooldown set to %gms via the admin API", provider, seconds * 1000)
-    return await _provider_answer(request, provider)
+    backend = request.app[STATE].backend
+
+    def apply(provider: str, seconds: float) -> str:
+        backend.set_cooldown(provider, seconds)
+        return f"release cooldown set to {seconds * 1000:g}ms"
+
+    return await _provider_write(request, _cooldown_from, apply)
 
 
 async def star(request: web.Request) -> web.Response:
