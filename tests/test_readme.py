@@ -60,3 +60,42 @@ async def test_the_admin_api_curl_lines_do_what_they_say(start_upstream, start_p
     status = proxy.status()
     assert (status["limit"], status["cooldown_ms"]) == (6, 1500)
     assert "release-team" in proxy.state.backend.starred()
+
+
+def test_the_readme_serve_command_runs_exactly_as_written() -> None:
+    """The first Quick start command, verbatim, in the repository (venv, install, serve on 8787)."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    line = next(line for line in README.splitlines() if "slotproxy serve --config config.example.yaml" in line)
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", 8787)) == 0:
+            raise AssertionError("port 8787 is taken; the README command serves there (stop what holds it)")
+    state = REPO / "slotproxy-state.json"
+    existed = state.exists()
+    process = subprocess.Popen(["bash", "-c", line], cwd=REPO, start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:8787/_slotproxy/status", timeout=2) as response:
+                    status = json.load(response)
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"the README command did not serve: {process.communicate()[0][-2000:]}")
+                time.sleep(0.5)
+        assert [p["provider"] for p in status["providers"]] == ["openai", "anthropic"]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+        process.communicate(timeout=60)
+        if not existed and state.exists():
+            state.unlink()
+    assert process.returncode == 0
