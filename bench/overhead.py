@@ -45,29 +45,46 @@ import argparse
 import asyncio
 import datetime
 import json
-import os
-import platform
-import resource
 import shutil
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
+from common import (  # bench/common.py: this directory is sys.path[0] when run as a script
+    HOST,
+    WRK_LUA,
+    WRK_THREADS,
+    Processes,
+    Spread,
+    WrkFigures,
+    children_of,
+    cpu_seconds,
+    free_port,
+    launch_nginx,
+    log,
+    machine_note,
+    nginx_head,
+    nginx_version,
+    pass_miss_table,
+    pct,
+    raise_nofile,
+    raise_on_sigterm,
+    rss_kib,
+    run_wrk,
+    start_fake_upstream,
+    start_serve,
+    static_nginx_conf,
+    wait_http,
+    wrk_version,
+)
 
-HOST = "127.0.0.1"
 CONNS = (1, 16, 64)
-WRK_THREADS = 1
 TARGETS = ("direct", "slotproxy", "nginx")
 PATH_DIRECT = "/chat/completions"
 PATH_PROXIED = "/bench/chat/completions"
@@ -84,15 +101,6 @@ BODY = json.dumps(
     },
     separators=(",", ":"),
 )
-STATIC_REPLY = json.dumps(
-    {
-        "id": "chatcmpl-bench",
-        "object": "chat.completion",
-        "model": "bench-model",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-    },
-    separators=(",", ":"),
-)
 SSE_CLIENTS = 32
 SSE_CHUNKS = 50
 SSE_DELAY_MS = 5
@@ -102,8 +110,6 @@ HELD_STREAMS = 500
 HOLD_CHUNKS = 30
 HOLD_DELAY_MS = 1000
 OPEN_AT_ONCE = 64
-STARTUP_TIMEOUT = 20.0
-TICK = os.sysconf("SC_CLK_TCK")
 
 TARGET_RPS_RATIO = 0.20
 TARGET_P50_ADDED_MS = {1: 0.5, 16: 1.0}
@@ -113,188 +119,12 @@ TARGET_KIB_PER_STREAM = 32.0
 TARGET_BASE_RSS_MIB = 60.0
 
 
-# --- small helpers -------------------------------------------------------------------
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) by linear interpolation."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-@dataclass(frozen=True)
-class Spread:
-    """The median of per-round values and their range."""
-
-    median: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Spread:
-        return cls(statistics.median(values), min(values), max(values))
-
-    def fmt(self, digits: int = 2) -> str:
-        if self.low == self.high:
-            return f"{self.median:.{digits}f}"
-        return f"{self.median:.{digits}f} ({self.low:.{digits}f}–{self.high:.{digits}f})"
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
-def raise_nofile() -> int:
-    """Raise the open-file limit to the hard limit (children inherit it)."""
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
-
-
-# --- /proc ---------------------------------------------------------------------------
-
-
-def _stat_fields(pid: int) -> list[str]:
-    raw = Path(f"/proc/{pid}/stat").read_text()
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """utime + stime of these processes (all their threads), in seconds."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = _stat_fields(pid)
-        except (OSError, ValueError):
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / TICK
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int(_stat_fields(int(entry.name))[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                continue
-    return found
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-# --- processes -----------------------------------------------------------------------
-
-
-class Processes:
-    """Every server this script starts, each in its own process group; stop_all ends them."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.started: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        with open(self.workdir / f"{name}.log", "wb") as out:
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-        self.started.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.started):
-            _stop_group(proc)
-        self.started.clear()
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-    _signal_group(proc.pid, signal.SIGKILL)  # leftovers of the group (nginx workers), if any
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        log(f"pid {proc.pid} did not exit after SIGKILL")
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = STARTUP_TIMEOUT) -> None:
-    """Poll a GET until it answers < 500; fail if the process died or the time ran out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode} before it answered {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status < 500:
-                    return
-        except urllib.error.HTTPError as exc:
-            if exc.code < 500:
-                return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f}s")
-
-
 # --- nginx ---------------------------------------------------------------------------
-
-
-def _nginx_head(prefix: Path) -> str:
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    temps = "\n".join(f"    {kind}_temp_path {prefix}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    return (
-        f"{user}worker_processes 1;\npid {prefix}/nginx.pid;\nerror_log {prefix}/error.log warn;\n"
-        "events { worker_connections 4096; }\n"
-        "http {\n    access_log off;\n    keepalive_timeout 75s;\n    keepalive_requests 1000000;\n"
-        f"{temps}\n"
-    )
-
-
-def static_conf(prefix: Path, port: int) -> str:
-    """nginx answering every request (POST included) with a fixed small JSON, at once."""
-    return _nginx_head(prefix) + (
-        f"    server {{\n        listen {HOST}:{port};\n"
-        "        location / {\n            default_type application/json;\n"
-        f"            return 200 '{STATIC_REPLY}';\n        }}\n    }}\n}}\n"
-    )
 
 
 def proxy_conf(prefix: Path, port: int, upstream_port: int) -> str:
     """nginx as a plain reverse proxy: /bench/x -> static upstream /x, keepalive, no buffering."""
-    return _nginx_head(prefix) + (
+    return nginx_head(prefix) + (
         f"    upstream static {{\n        server {HOST}:{upstream_port};\n        keepalive 128;\n"
         "        keepalive_requests 1000000;\n    }\n"
         f"    server {{\n        listen {HOST}:{port};\n"
@@ -306,12 +136,7 @@ def proxy_conf(prefix: Path, port: int, upstream_port: int) -> str:
 
 def start_nginx(procs: Processes, name: str, conf: str, probe_path: str) -> tuple[subprocess.Popen[bytes], int]:
     """Start nginx in the foreground with its own prefix; returns the master and its one worker."""
-    prefix = procs.workdir / name
-    prefix.mkdir()
-    (prefix / "nginx.conf").write_text(conf)
-    argv = ["nginx", "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(prefix / "nginx.conf"),
-            "-g", "daemon off;"]
-    proc = procs.start(name, argv)
+    proc = launch_nginx(procs, name, conf)
     port = int(conf.split(f"listen {HOST}:")[1].split(";")[0])
     wait_http(f"http://{HOST}:{port}{probe_path}", proc, name)
     workers = children_of(proc.pid)
@@ -331,36 +156,15 @@ def slotproxy_yaml(port: int, providers: dict[str, str]) -> str:
 
 def start_slotproxy(procs: Processes, name: str, providers: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    config = procs.workdir / f"{name}.yaml"
-    config.write_text(slotproxy_yaml(port, providers))
-    argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port),
-            "--log-level", "WARNING"]
-    proc = procs.start(name, argv)
-    wait_http(f"http://{HOST}:{port}/healthz", proc, name)
-    return proc, port
+    return start_serve(procs, name, port, slotproxy_yaml(port, providers)), port
 
 
 def start_fake(procs: Processes, name: str, chunks: int, delay_ms: int) -> int:
-    port = free_port()
-    argv = [sys.executable, "-m", "proxy", "fake-upstream", "--port", str(port), "--chunks", str(chunks),
-            "--delay-ms", str(delay_ms)]
-    proc = procs.start(name, argv)
-    wait_http(f"http://{HOST}:{port}/stats", proc, name)
+    _, port = start_fake_upstream(procs, name, ["--chunks", str(chunks), "--delay-ms", str(delay_ms)])
     return port
 
 
 # --- 1. wrk --------------------------------------------------------------------------
-
-WRK_LUA = """wrk.method = "POST"
-wrk.body = [[%s]]
-wrk.headers["Content-Type"] = "application/json"
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format('BENCHJSON {"requests": %%d, "duration_us": %%d, "p50_us": %%f, "p99_us": %%f, '
-    .. '"errors": %%d, "non2xx": %%d}\\n', summary.requests, summary.duration,
-    latency:percentile(50), latency:percentile(99), e.connect + e.read + e.write + e.timeout, e.status))
-end
-"""
 
 
 @dataclass(frozen=True)
@@ -383,27 +187,17 @@ class Target:
     upstream_pids: list[int]
 
 
-def run_wrk(url: str, conns: int, duration: float, lua: Path) -> dict[str, Any]:
-    argv = ["wrk", f"-t{min(WRK_THREADS, conns)}", f"-c{conns}", f"-d{duration:g}s", "--timeout", "5s",
-            "-s", str(lua), url]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 30, check=False)
-    for line in done.stdout.splitlines():
-        if line.startswith("BENCHJSON "):
-            return dict(json.loads(line[len("BENCHJSON "):]))
-    raise RuntimeError(f"wrk printed no result (exit {done.returncode}): {done.stdout[-500:]} {done.stderr[-500:]}")
-
-
 def measure_wrk(target: Target, conns: int, duration: float, lua: Path) -> WrkRun:
     proxy_before = cpu_seconds(target.proxy_pids)
     upstream_before = cpu_seconds(target.upstream_pids)
-    result = run_wrk(target.url, conns, duration, lua)
+    figures = WrkFigures.of(run_wrk(target.url, conns, duration, lua))
     proxy_used = cpu_seconds(target.proxy_pids) - proxy_before
     upstream_used = cpu_seconds(target.upstream_pids) - upstream_before
     return WrkRun(
-        rps=result["requests"] / (result["duration_us"] / 1e6),
-        p50_ms=result["p50_us"] / 1000,
-        p99_ms=result["p99_us"] / 1000,
-        errors=int(result["errors"]) + int(result["non2xx"]),
+        rps=figures.rps,
+        p50_ms=figures.p50_ms,
+        p99_ms=figures.p99_ms,
+        errors=figures.errors,
         proxy_cpu_s=proxy_used if target.proxy_pids else None,
         upstream_cpu_s=upstream_used,
     )
@@ -557,7 +351,7 @@ class Setup:
 
 def start_servers(procs: Processes) -> Setup:
     static_port, nginx_port = free_port(), free_port()
-    static, static_worker = start_nginx(procs, "nginx-static", static_conf(procs.workdir / "nginx-static", static_port), "/")
+    static, static_worker = start_nginx(procs, "nginx-static", static_nginx_conf(procs.workdir / "nginx-static", static_port), "/")
     ngx, ngx_worker = start_nginx(procs, "nginx-proxy", proxy_conf(procs.workdir / "nginx-proxy", nginx_port, static_port),
                                   "/bench/")
     fake_port = start_fake(procs, "fake-sse", SSE_CHUNKS, SSE_DELAY_MS)
@@ -695,29 +489,11 @@ def targets_table(results: Results) -> Iterator[str]:
                      rss.per_stream_kib <= TARGET_KIB_PER_STREAM))
         rows.append(("base RSS", f"{rss.base_kib / 1024:.1f} MiB", f"≤ {TARGET_BASE_RSS_MIB:g} MiB",
                      rss.base_kib / 1024 <= TARGET_BASE_RSS_MIB))
-    yield "| target | measured: median (min–max) | goal | |"
-    yield "|---|---|---|---|"
-    for label, measured, goal, ok in rows:
-        yield f"| {label} | {measured} | {goal} | {verdict(ok)} |"
+    yield from pass_miss_table(rows, "measured: median (min–max)")
 
 
-def _version(argv: list[str]) -> str:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-    except OSError:
-        return "?"
-    return (done.stdout + done.stderr).strip().splitlines()[0] if (done.stdout + done.stderr).strip() else "?"
-
-
-def machine_note() -> str:
-    model = "?"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
-    return (f"{os.cpu_count()} CPUs ({model}), Linux {platform.release()}, Python {platform.python_version()}, "
-            f"aiohttp {aiohttp.__version__}, {_version(['nginx', '-v']).removeprefix('nginx version: ')}, "
-            f"{_version(['wrk', '-v']).split(' [')[0]}")
+def _machine_note() -> str:
+    return machine_note(nginx_version(), wrk_version(), with_model=True)
 
 
 def report(results: Results, args: argparse.Namespace, command: str) -> str:
@@ -727,7 +503,7 @@ def report(results: Results, args: argparse.Namespace, command: str) -> str:
         "",
         f"`{command}` — {stamp}, {args.rounds} interleaved round(s), wrk {args.duration:g} s per run, "
         f"`-t{WRK_THREADS}`.",
-        f"Machine: {machine_note()}.",
+        f"Machine: {_machine_note()}.",
         "Cells: median over rounds (min–max). Both nginx run `worker_processes 1`; slotproxy is one process.",
         "CPU: utime+stime from /proc during each wrk run (proxy = slotproxy, or nginx master+worker; "
         "upstream = the static nginx). SSE TTFB = POST to the first SSE event, the fake upstream's first "
@@ -765,17 +541,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     for tool in ("nginx", "wrk"):
         if shutil.which(tool) is None:
             print(f"overhead.py: {tool} not found on PATH", file=sys.stderr)
             return 2
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signal.signal(signal.SIGTERM, raise_on_sigterm)
     log(f"open-file limit raised to {raise_nofile()}")
     command = " ".join(["python", "bench/overhead.py", *(sys.argv[1:] if argv is None else argv)])
     with tempfile.TemporaryDirectory(prefix="slotproxy-overhead-") as tmp:

@@ -63,38 +63,57 @@ import asyncio
 import datetime
 import json
 import math
-import os
-import platform
-import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import redis
+from common import (  # bench/common.py: this directory is sys.path[0] when run as a script
+    HOST,
+    WRK_LUA,
+    Processes,
+    Spread,
+    WrkFigures,
+    agent_body,
+    count_refusal,
+    cpu_seconds,
+    fmt,
+    free_port,
+    get_json,
+    launch_nginx,
+    log,
+    machine_note,
+    nginx_version,
+    pass_miss_table,
+    pct,
+    raise_nofile,
+    raise_on_sigterm,
+    read_to_done,
+    run_loop,
+    run_wrk,
+    start_fake_upstream,
+    start_serve,
+    static_nginx_conf,
+    wait_http,
+    wrk_version,
+)
 
 from proxy.backends import MemoryBackend
 from proxy.backends.redis import RedisBackend
 from proxy.limiter import LimiterSettings, Priority
 
-HOST = "127.0.0.1"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-STARTUP_TIMEOUT = 20.0
-STOP_TIMEOUT = 5.0
-TICK = os.sysconf("SC_CLK_TCK")
 
 INPROC_PROVIDER = "bench"
 INPROC_LIMIT = 10_000
@@ -103,7 +122,6 @@ INPROC_MAX_PAIRS = 2_000_000
 INPROC_LEASE_TTL = 30.0
 
 WRK_CONNS = (1, 16)
-WRK_THREADS = 1
 SERVE_LIMIT = 10_000
 BACKENDS = ("memory", "redis")
 PATH_PROXIED = "/bench/chat/completions"
@@ -120,15 +138,6 @@ BODY = json.dumps(
     },
     separators=(",", ":"),
 )
-STATIC_REPLY = json.dumps(
-    {
-        "id": "chatcmpl-bench",
-        "object": "chat.completion",
-        "model": "bench-model",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-    },
-    separators=(",", ":"),
-)
 
 CAP = 8
 CHUNKS = 20
@@ -137,7 +146,6 @@ REPLICAS = 3
 AGENTS = 40
 FLEET_PROVIDER = "fake"
 SAMPLE_EVERY = 0.05
-MESSAGES = [{"role": "user", "content": "Write the next step of the plan."}]
 
 TARGET_ADDED_P50_MS = 1.0
 TARGET_UTILISATION = 0.95
@@ -146,112 +154,12 @@ TARGET_UTILISATION = 0.95
 # --- small helpers -------------------------------------------------------------------
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) by linear interpolation."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-@dataclass(frozen=True)
-class Spread:
-    """The median of per-round values and their range."""
-
-    median: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Spread:
-        return cls(statistics.median(values), min(values), max(values))
-
-    def fmt(self, digits: int = 2) -> str:
-        if self.low == self.high:
-            return f"{self.median:.{digits}f}"
-        return f"{self.median:.{digits}f} ({self.low:.{digits}f}–{self.high:.{digits}f})"
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
-def fmt(value: float | None, digits: int) -> str:
-    return "n/a" if value is None or math.isnan(value) else f"{value:.{digits}f}"
-
-
-def raise_nofile() -> int:
-    """Raise the open-file limit to the hard limit (children inherit it)."""
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
-
-
-def get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.load(response)
-
-
-def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run on uvloop when it is installed, like ``slotproxy serve``."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def loop_name() -> str:
     try:
         import uvloop
     except ImportError:
         return "asyncio"
     return f"uvloop {uvloop.__version__}"
-
-
-# --- /proc ---------------------------------------------------------------------------
-
-
-def _stat_fields(pid: int) -> list[str]:
-    raw = Path(f"/proc/{pid}/stat").read_text()
-    return raw[raw.rindex(")") + 2 :].split()
-
-
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """utime + stime of these processes (all their threads), in seconds."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = _stat_fields(pid)
-        except (OSError, ValueError):
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / TICK
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int(_stat_fields(int(entry.name))[1]) == pid:
-                    found.append(int(entry.name))
-            except (OSError, ValueError, IndexError):
-                continue
-    return found
 
 
 # --- Redis ---------------------------------------------------------------------------
@@ -311,65 +219,6 @@ def check_local_url(url: str) -> str:
 # --- processes -----------------------------------------------------------------------
 
 
-class Processes:
-    """Every server this script starts, each in its own process group; stop_all ends them."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.started: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        with open(self.workdir / f"{name}.log", "wb") as out:
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-        self.started.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.started):
-            stop_group(proc)
-        self.started.clear()
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left of it."""
-    if proc.poll() is None:
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pass
-    _signal_group(proc.pid, signal.SIGKILL)
-    try:
-        proc.wait(timeout=STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        log(f"pid {proc.pid} did not exit after SIGKILL")
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = STARTUP_TIMEOUT) -> None:
-    """Poll a GET until it answers 200; fail if the process died or the time ran out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode} before it answered {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} did not answer 200 on {url} within {timeout:.0f}s")
-
-
 def log_lines(procs: Processes, name: str, needle: str) -> list[str]:
     try:
         text = (procs.workdir / f"{name}.log").read_text(errors="replace")
@@ -378,29 +227,11 @@ def log_lines(procs: Processes, name: str, needle: str) -> list[str]:
     return [line for line in text.splitlines() if needle in line]
 
 
-def static_nginx_conf(prefix: Path, port: int) -> str:
-    """nginx answering every request (POST included) with a fixed small JSON, at once."""
-    user = "user root;\n" if os.geteuid() == 0 else ""
-    temps = "\n".join(f"    {kind}_temp_path {prefix}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    return (
-        f"{user}worker_processes 1;\npid {prefix}/nginx.pid;\nerror_log {prefix}/error.log warn;\n"
-        "events { worker_connections 4096; }\n"
-        "http {\n    access_log off;\n    keepalive_timeout 75s;\n    keepalive_requests 1000000;\n"
-        f"{temps}\n"
-        f"    server {{\n        listen {HOST}:{port};\n"
-        "        location / {\n            default_type application/json;\n"
-        f"            return 200 '{STATIC_REPLY}';\n        }}\n    }}\n}}\n"
-    )
-
-
 def start_static_nginx(procs: Processes) -> int:
     port = free_port()
-    prefix = procs.workdir / "nginx-static"
-    prefix.mkdir(exist_ok=True)
-    (prefix / "nginx.conf").write_text(static_nginx_conf(prefix, port))
-    argv = ["nginx", "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(prefix / "nginx.conf"),
-            "-g", "daemon off;"]
-    wait_http(f"http://{HOST}:{port}/", procs.start("nginx-static", argv), "nginx-static")
+    conf = static_nginx_conf(procs.workdir / "nginx-static", port)
+    wait_http(f"http://{HOST}:{port}/", launch_nginx(procs, "nginx-static", conf, exist_ok=True), "nginx-static",
+              require_200=True)
     return port
 
 
@@ -413,26 +244,19 @@ def backend_yaml(kind: str, redis_url: str, prefix: str) -> str:
 def start_slotproxy(procs: Processes, name: str, backend: str, provider: str, upstream: str, limit: int) \
         -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    config = procs.workdir / f"{name}.yaml"
-    config.write_text("\n".join([
+    config = "\n".join([
         f"server: {{host: {HOST}, port: {port}, shutdown_grace: 1s}}",
         "state: {path: null}",
         backend,
         "providers:",
         f"  {provider}: {{upstream: '{upstream}', limit: {limit}}}",
-    ]) + "\n")
-    argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port),
-            "--log-level", "WARNING"]
-    proc = procs.start(name, argv)
-    wait_http(f"http://{HOST}:{port}/readyz", proc, name)
-    return proc, port
+    ]) + "\n"
+    return start_serve(procs, name, port, config, ready_path="/readyz", require_200=True), port
 
 
 def start_fake(procs: Processes, name: str) -> int:
-    port = free_port()
-    argv = [sys.executable, "-m", "proxy", "fake-upstream", "--port", str(port), "--cap", str(CAP),
-            "--chunks", str(CHUNKS), "--delay-ms", str(DELAY_MS)]
-    wait_http(f"http://{HOST}:{port}/stats", procs.start(name, argv), name)
+    options = ["--cap", str(CAP), "--chunks", str(CHUNKS), "--delay-ms", str(DELAY_MS)]
+    _, port = start_fake_upstream(procs, name, options)
     return port
 
 
@@ -511,18 +335,6 @@ def measure_inproc(redis_url: str, prefix: str, seconds: float) -> list[InprocCe
 
 # --- 2. wrk through two slotproxy processes -----------------------------------------
 
-WRK_LUA = """wrk.method = "POST"
-wrk.body = [[%s]]
-wrk.headers["Content-Type"] = "application/json"
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format('BENCHJSON {"requests": %%d, "duration_us": %%d, "p50_us": %%f, "p99_us": %%f, '
-    .. '"errors": %%d, "non2xx": %%d}\\n', summary.requests, summary.duration,
-    latency:percentile(50), latency:percentile(99), e.connect + e.read + e.write + e.timeout, e.status))
-end
-"""
-
-
 @dataclass(frozen=True)
 class WrkRun:
     rps: float
@@ -533,26 +345,16 @@ class WrkRun:
     redis_us_per_req: float
 
 
-def run_wrk(url: str, conns: int, duration: float, lua: Path) -> dict[str, Any]:
-    argv = ["wrk", f"-t{min(WRK_THREADS, conns)}", f"-c{conns}", f"-d{duration:g}s", "--timeout", "5s",
-            "-s", str(lua), url]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 30, check=False)
-    for line in done.stdout.splitlines():
-        if line.startswith("BENCHJSON "):
-            return dict(json.loads(line[len("BENCHJSON "):]))
-    raise RuntimeError(f"wrk printed no result (exit {done.returncode}): {done.stdout[-500:]} {done.stderr[-500:]}")
-
-
 def measure_wrk(url: str, pid: int, info: RedisInfo, conns: int, duration: float, lua: Path) -> WrkRun:
     proxy_before, redis_before = cpu_seconds([pid]), info.cpu_seconds()
-    result = run_wrk(url, conns, duration, lua)
+    figures = WrkFigures.of(run_wrk(url, conns, duration, lua))
     proxy_used, redis_used = cpu_seconds([pid]) - proxy_before, info.cpu_seconds() - redis_before
-    requests = max(int(result["requests"]), 1)
+    requests = max(figures.requests, 1)
     return WrkRun(
-        rps=result["requests"] / (result["duration_us"] / 1e6),
-        p50_ms=result["p50_us"] / 1000,
-        p99_ms=result["p99_us"] / 1000,
-        errors=int(result["errors"]) + int(result["non2xx"]),
+        rps=figures.rps,
+        p50_ms=figures.p50_ms,
+        p99_ms=figures.p99_ms,
+        errors=figures.errors,
         proxy_us_per_req=proxy_used * 1e6 / requests,
         redis_us_per_req=redis_used * 1e6 / requests,
     )
@@ -625,25 +427,14 @@ class FleetResult:
         return self.stream_ms * (1 / self.utilisation - 1)
 
 
-def agent_body(index: int) -> dict[str, Any]:
-    return {"model": "fake-model", "stream": True, "messages": MESSAGES, "user": f"agent-{index}"}
-
-
 async def _one_stream(session: aiohttp.ClientSession, url: str, index: int, tally: Tally) -> None:
     headers = {"X-Conversation-Id": f"agent-{index}"}
     async with session.post(url, json=agent_body(index), headers=headers) as response:
         if response.status != 200:
-            await response.read()
-            if response.status == 429:
-                tally.agent_429 += 1
-            else:
-                tally.errors += 1
+            await count_refusal(response, tally)
             return
         first = time.perf_counter()
-        done = False
-        async for line in response.content:
-            done = done or line.strip() == b"data: [DONE]"
-        if not done:
+        if not await read_to_done(response):
             tally.errors += 1
             return
         tally.completed += 1
@@ -818,25 +609,12 @@ def target_rows(results: Results) -> Iterator[tuple[str, str, str, bool]]:
 
 
 def targets_table(results: Results) -> Iterator[str]:
-    yield "| target | measured | goal | |"
-    yield "|---|---|---|---|"
-    for label, measured, goal, ok in target_rows(results):
-        yield f"| {label} | {measured} | {goal} | {verdict(ok)} |"
+    yield from pass_miss_table(target_rows(results))
 
 
-def _version(argv: list[str]) -> str:
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-    except OSError:
-        return "?"
-    text = (done.stdout + done.stderr).strip()
-    return text.splitlines()[0] if text else "?"
-
-
-def machine_note(info: RedisInfo) -> str:
-    return (f"{os.cpu_count()} CPUs, Linux {platform.release()}, Python {platform.python_version()}, "
-            f"aiohttp {aiohttp.__version__}, redis-py {redis.__version__}, Redis {info.version()}, {loop_name()}, "
-            f"{_version(['nginx', '-v']).removeprefix('nginx version: ')}, {_version(['wrk', '-v']).split(' [')[0]}")
+def _machine_note(info: RedisInfo) -> str:
+    return machine_note(f"redis-py {redis.__version__}", f"Redis {info.version()}", loop_name(), nginx_version(),
+                        wrk_version())
 
 
 def report(results: Results, args: argparse.Namespace, command: str, info: RedisInfo) -> str:
@@ -845,7 +623,7 @@ def report(results: Results, args: argparse.Namespace, command: str, info: Redis
         "## Redis backend (bench/redis_backend.py)",
         "",
         f"`{command}` — {stamp}. Redis on 127.0.0.1 (the shared local server, no persistence).",
-        f"Machine: {machine_note(info)}.",
+        f"Machine: {_machine_note(info)}.",
         "",
         "### Targets",
         "",
@@ -911,10 +689,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     for tool in ("nginx", "wrk"):
@@ -927,7 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except redis.RedisError as exc:
         print(f"redis_backend.py: no Redis at {args.redis_url}: {exc}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signal.signal(signal.SIGTERM, raise_on_sigterm)
     log(f"open-file limit raised to {raise_nofile()}")
     command = " ".join(["python", "bench/redis_backend.py", *(sys.argv[1:] if argv is None else argv)])
     base = f"slotproxy-bench-{uuid.uuid4().hex[:10]}"

@@ -55,18 +55,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
-import os
-import platform
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,8 +67,24 @@ from typing import Any
 
 import aiohttp
 import openai
+from common import (  # bench/common.py: this directory is sys.path[0] when run as a script
+    AGENT_MESSAGES,
+    HOST,
+    Processes,
+    agent_body,
+    count_refusal,
+    fmt,
+    free_port,
+    get_json,
+    log,
+    machine_note,
+    pass_miss_table,
+    raise_on_sigterm,
+    read_to_done,
+    start_fake_upstream,
+    start_serve,
+)
 
-HOST = "127.0.0.1"
 CAP = 8
 CHUNKS = 20
 DELAY_MS = 50
@@ -83,108 +92,22 @@ PROVIDER = "fake"
 MODEL = "fake-model"
 MODES = ("direct", "plain", "cooldown", "usage")
 SAMPLE_EVERY = 0.05
-STARTUP_TIMEOUT = 20.0
-STOP_TIMEOUT = 5.0
 TARGET_UTILISATION = 0.95
-MESSAGES = [{"role": "user", "content": "Write the next step of the plan."}]
 
 
 # --- small helpers -------------------------------------------------------------------
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
 
 
 def cooldown_ms(lag_ms: int) -> int:
     return lag_ms + 100
 
 
-def get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.load(response)
-
-
 # --- processes -----------------------------------------------------------------------
 
 
-class Processes:
-    """Every server this script starts, each in its own process group; stop_all ends them."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.started: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        with open(self.workdir / f"{name}.log", "wb") as out:
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-        self.started.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.started):
-            stop_group(proc)
-        self.started.clear()
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is left of it."""
-    if proc.poll() is None:
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pass
-    _signal_group(proc.pid, signal.SIGKILL)
-    try:
-        proc.wait(timeout=STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        log(f"pid {proc.pid} did not exit after SIGKILL")
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], what: str) -> None:
-    """Poll a GET until it answers < 500; fail if the process died or the time ran out."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode} before it answered {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status < 500:
-                    return
-        except urllib.error.HTTPError as exc:
-            if exc.code < 500:
-                return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} did not answer {url} within {STARTUP_TIMEOUT:.0f}s")
-
-
 def start_fake(procs: Processes, name: str, lag_ms: int) -> int:
-    port = free_port()
-    argv = [sys.executable, "-m", "proxy", "fake-upstream", "--port", str(port), "--cap", str(CAP),
-            "--chunks", str(CHUNKS), "--delay-ms", str(DELAY_MS), "--lag-ms", str(lag_ms)]
-    wait_http(f"http://{HOST}:{port}/stats", procs.start(name, argv), name)
+    options = ["--cap", str(CAP), "--chunks", str(CHUNKS), "--delay-ms", str(DELAY_MS), "--lag-ms", str(lag_ms)]
+    _, port = start_fake_upstream(procs, name, options)
     return port
 
 
@@ -202,11 +125,7 @@ def proxy_yaml(port: int, fake_port: int, mode: str, lag_ms: int) -> str:
 
 def start_proxy(procs: Processes, name: str, fake_port: int, mode: str, lag_ms: int) -> int:
     port = free_port()
-    config = procs.workdir / f"{name}.yaml"
-    config.write_text(proxy_yaml(port, fake_port, mode, lag_ms))
-    argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port),
-            "--log-level", "WARNING"]
-    wait_http(f"http://{HOST}:{port}/healthz", procs.start(name, argv), name)
+    start_serve(procs, name, port, proxy_yaml(port, fake_port, mode, lag_ms))
     return port
 
 
@@ -225,29 +144,13 @@ class Tally:
     samples: list[int] = field(default_factory=list)
 
 
-def agent_body(index: int) -> dict[str, Any]:
-    return {"model": MODEL, "stream": True, "messages": MESSAGES, "user": f"agent-{index}"}
-
-
-async def _read_stream(response: aiohttp.ClientResponse) -> bool:
-    """Read every SSE line; True when the stream ended with ``data: [DONE]``."""
-    done = False
-    async for line in response.content:
-        done = done or line.strip() == b"data: [DONE]"
-    return done
-
-
 async def _proxied_request(session: aiohttp.ClientSession, url: str, index: int, tally: Tally) -> None:
     headers = {"X-Conversation-Id": f"agent-{index}"}
-    async with session.post(url, json=agent_body(index), headers=headers) as response:
+    async with session.post(url, json=agent_body(index, MODEL), headers=headers) as response:
         if response.status != 200:
-            await response.read()
-            if response.status == 429:
-                tally.agent_429 += 1
-            else:
-                tally.errors += 1
+            await count_refusal(response, tally)
             return
-        if await _read_stream(response):
+        if await read_to_done(response):
             tally.completed += 1
             tally.queue_ms.append(float(response.headers.get("X-Slotproxy-Queue-Ms", "nan")))
         else:
@@ -267,7 +170,7 @@ async def proxied_agent(session: aiohttp.ClientSession, url: str, index: int, ta
 
 async def _direct_request(client: openai.AsyncOpenAI, index: int, tally: Tally) -> None:
     stream = await client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, stream=True, user=f"agent-{index}"  # type: ignore[arg-type]
+        model=MODEL, messages=AGENT_MESSAGES, stream=True, user=f"agent-{index}"  # type: ignore[arg-type]
     )
     async for _chunk in stream:
         pass
@@ -418,10 +321,6 @@ def run_all(args: argparse.Namespace, workdir: Path) -> list[Result]:
 # --- report --------------------------------------------------------------------------
 
 
-def fmt(value: float | None, digits: int) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
 def mode_label(mode: str, lag_ms: int) -> str:
     if mode == "cooldown":
         return f"cooldown {cooldown_ms(lag_ms)} ms"
@@ -450,15 +349,11 @@ def target_rows(results: Sequence[Result]) -> Iterator[tuple[str, str, str, bool
 
 
 def targets_table(results: Sequence[Result]) -> Iterator[str]:
-    yield "| target | measured | goal | |"
-    yield "|---|---|---|---|"
-    for label, measured, goal, ok in target_rows(results):
-        yield f"| {label} | {measured} | {goal} | {verdict(ok)} |"
+    yield from pass_miss_table(target_rows(results))
 
 
-def machine_note() -> str:
-    return (f"{os.cpu_count()} CPUs, Linux {platform.release()}, Python {platform.python_version()}, "
-            f"aiohttp {aiohttp.__version__}, openai {openai.__version__}; shared, noisy machine")
+def _machine_note() -> str:
+    return machine_note(f"openai {openai.__version__}") + "; shared, noisy machine"
 
 
 def report(results: Sequence[Result], args: argparse.Namespace, command: str) -> str:
@@ -469,7 +364,7 @@ def report(results: Sequence[Result], args: argparse.Namespace, command: str) ->
         f"`{command}` — {stamp}. {args.agents} agents, {args.duration:g} s per run, "
         f"fake upstream `--cap {CAP} --chunks {CHUNKS} --delay-ms {DELAY_MS} --lag-ms L` (one stream ≈ 1 s), "
         "slotproxy `limit: 8`, a fresh fake and proxy per run.",
-        f"Machine: {machine_note()}.",
+        f"Machine: {_machine_note()}.",
         f"Utilisation = mean of the fake's own concurrency count (`/v1/usage`, every {SAMPLE_EVERY * 1000:g} ms "
         f"from {args.warmup:g} s on, while more than {CAP} agents want an answer) / {CAP}. That count includes "
         "the lag period: it is the provider's view of concurrency, the one its 429s are based on.",
@@ -524,13 +419,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signal.signal(signal.SIGTERM, raise_on_sigterm)
     command = " ".join(["python", "bench/saturation.py", *(sys.argv[1:] if argv is None else argv)])
     with tempfile.TemporaryDirectory(prefix="slotproxy-saturation-") as tmp:
         results = run_all(args, Path(tmp))

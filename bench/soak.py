@@ -77,17 +77,13 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import platform
 import re
-import resource
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Sequence
@@ -96,8 +92,23 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from common import (  # bench/common.py: this directory is sys.path[0] when run as a script
+    HOST,
+    Processes,
+    free_port,
+    get_json,
+    log,
+    machine_note,
+    pass_miss_table,
+    pct,
+    raise_nofile,
+    raise_on_sigterm,
+    rss_kib,
+    run_loop,
+    start_fake_upstream,
+    start_serve,
+)
 
-HOST = "127.0.0.1"
 PROVIDER = "soak"
 PROBE = "probe"            # same upstream, no limit: streams that never queue, for the fill-time probe
 HOLD_CHUNKS = 600
@@ -108,7 +119,6 @@ SLOW_READ_S = 5.0
 OPEN_AT_ONCE = 64          # per client process: held streams waiting for their response headers
 SEND_AT_ONCE = 32          # per client process: waiters whose request is not yet on the wire
 QUEUE_SETTLE_S = 2.0
-STARTUP_TIMEOUT = 20.0
 STATUS_CALLS = 3
 DASHBOARD_POLL_S = 1.0
 STREAM_BODY = json.dumps({"model": "fake-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
@@ -135,120 +145,11 @@ TARGET_GAP_P99_ADDED_MS = 5.0
 # --- small helpers -------------------------------------------------------------------
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
-def pct(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) by linear interpolation."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
-def raise_nofile() -> int:
-    """Raise the open-file limit to the hard limit (children inherit it)."""
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    return hard
-
-
 def split(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def _new_loop_runner() -> Any:
-    """uvloop when installed (slotproxy serve uses it too), else asyncio."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run
-    return uvloop.run
-
-
 # --- servers -------------------------------------------------------------------------
-
-
-class Processes:
-    """Every server this script starts, each in its own process group; stop_all ends them."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        self.started: list[subprocess.Popen[bytes]] = []
-
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
-        with open(self.workdir / f"{name}.log", "wb") as out:
-            proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
-            )
-        self.started.append(proc)
-        return proc
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.started):
-            _stop_group(proc)
-        self.started.clear()
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-    _signal_group(proc.pid, signal.SIGKILL)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        log(f"pid {proc.pid} did not exit after SIGKILL")
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], what: str, timeout: float = STARTUP_TIMEOUT) -> None:
-    """Poll a GET until it answers < 500; fail if the process died or the time ran out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with status {proc.returncode} before it answered {url}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status < 500:
-                    return
-        except urllib.error.HTTPError as exc:
-            if exc.code < 500:
-                return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} did not answer {url} within {timeout:.0f}s")
 
 
 def slotproxy_yaml(port: int, upstream: str, max_queue: int) -> str:
@@ -263,23 +164,13 @@ def slotproxy_yaml(port: int, upstream: str, max_queue: int) -> str:
 
 
 def start_fake(procs: Processes) -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    argv = [sys.executable, "-m", "proxy", "fake-upstream", "--port", str(port), "--chunks", str(HOLD_CHUNKS),
-            "--delay-ms", str(HOLD_DELAY_MS)]
-    proc = procs.start("fake", argv)
-    wait_http(f"http://{HOST}:{port}/stats", proc, "fake-upstream")
-    return proc, port
+    options = ["--chunks", str(HOLD_CHUNKS), "--delay-ms", str(HOLD_DELAY_MS)]
+    return start_fake_upstream(procs, "fake", options, what="fake-upstream")
 
 
 def start_slotproxy(procs: Processes, upstream: str, max_queue: int) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    config = procs.workdir / "slotproxy.yaml"
-    config.write_text(slotproxy_yaml(port, upstream, max_queue))
-    argv = [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port),
-            "--log-level", "WARNING"]
-    proc = procs.start("slotproxy", argv)
-    wait_http(f"http://{HOST}:{port}/healthz", proc, "slotproxy")
-    return proc, port
+    return start_serve(procs, "slotproxy", port, slotproxy_yaml(port, upstream, max_queue)), port
 
 
 # --- client processes ----------------------------------------------------------------
@@ -430,7 +321,7 @@ def client_main(conn: multiprocessing.connection.Connection) -> None:
     """Entry point of a spawned client process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     raise_nofile()
-    _new_loop_runner()(_client_loop(conn))
+    run_loop(_client_loop(conn))
 
 
 class Clients:
@@ -639,13 +530,8 @@ def timed_get(url: str, calls: int) -> tuple[list[float], bytes]:
     return took, body
 
 
-def get_json(url: str) -> dict[str, Any]:
-    with urllib.request.urlopen(url, timeout=60) as response:
-        return dict(json.loads(response.read()))
-
-
 def soak_status(base: str) -> dict[str, Any]:
-    for entry in get_json(f"{base}/_slotproxy/status")["providers"]:
+    for entry in get_json(f"{base}/_slotproxy/status", timeout=60)["providers"]:
         if entry["provider"] == PROVIDER:
             return dict(entry)
     raise RuntimeError(f"provider {PROVIDER} missing from status")
@@ -700,7 +586,7 @@ VARIANTS = {
 
 def run_rounds(results: Results, base: str, name: str, rounds: int, count: int, poll: bool) -> None:
     for number in range(1, rounds + 1):
-        one = _new_loop_runner()(measured_round(base, count, poll))
+        one = run_loop(measured_round(base, count, poll))
         results.rounds.setdefault(name, []).append(one)
         polls = f"  status polls {', '.join(f'{p:.0f}' for p in one.status_polls_ms)} ms" if poll else ""
         log(f"(d) {name:<18} round {number}: gap p50/p99 {pct(one.gaps_ms, 50):.2f}/{one.p99:.2f} ms over "
@@ -710,7 +596,7 @@ def run_rounds(results: Results, base: str, name: str, rounds: int, count: int, 
 
 def run_all(args: argparse.Namespace, workdir: Path) -> Results:
     results = Results(streams=args.streams, waiters=args.waiters)
-    procs = Processes(workdir)
+    procs = Processes(workdir, term_timeout=10.0)
     clients: Clients | None = None
     began = time.monotonic()
     try:
@@ -722,7 +608,7 @@ def run_all(args: argparse.Namespace, workdir: Path) -> Results:
         clients = Clients(args.workers)
         time.sleep(1.0)
         results.base_kib = rss_kib(proxy.pid)
-        _new_loop_runner()(warm_up(base))
+        run_loop(warm_up(base))
         time.sleep(0.5)
         results.warm_kib = rss_kib(proxy.pid)
         log(f"(a) idle RSS {results.base_kib / 1024:.1f} MiB, after warm-up {results.warm_kib / 1024:.1f} MiB")
@@ -753,13 +639,13 @@ def run_all(args: argparse.Namespace, workdir: Path) -> Results:
         filling: list[Round] = []
         stop_probe = threading.Event()
         prober = threading.Thread(
-            target=lambda: _new_loop_runner()(probe_rounds(base, args.measured, stop_probe, filling)), daemon=True)
+            target=lambda: run_loop(probe_rounds(base, args.measured, stop_probe, filling)), daemon=True)
         prober.start()
         started = time.monotonic()
         try:
             replies = clients.command("queue", url, args.waiters, timeout=60 + args.waiters / 100)
             results.sent = sum(r["sent"] for r in replies)
-            seen = _new_loop_runner()(_wait_queued(base, args.waiters, timeout=60 + args.waiters / 100))
+            seen = run_loop(_wait_queued(base, args.waiters, timeout=60 + args.waiters / 100))
             results.timings["queue waiters s"] = time.monotonic() - started
         finally:
             stop_probe.set()
@@ -790,7 +676,7 @@ def run_all(args: argparse.Namespace, workdir: Path) -> Results:
 
         started = time.monotonic()
         results.client_reports = clients.stop()
-        results.drained = _new_loop_runner()(_wait_drained(base))
+        results.drained = run_loop(_wait_drained(base))
         results.timings["drain s"] = time.monotonic() - started
         time.sleep(1.0)
         results.after_kib = rss_kib(proxy.pid)
@@ -862,16 +748,6 @@ def targets(results: Results) -> list[tuple[str, str, str, bool]]:
     return rows
 
 
-def machine_note() -> str:
-    model = "?"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
-    return (f"{os.cpu_count()} CPUs ({model}), Linux {platform.release()}, Python {platform.python_version()}, "
-            f"aiohttp {aiohttp.__version__}")
-
-
 def _ms_list(values: Sequence[float]) -> str:
     return ", ".join(f"{v:.0f}" for v in values)
 
@@ -892,16 +768,14 @@ def report(results: Results, args: argparse.Namespace, command: str) -> str:
         "## Soak (bench/soak.py)",
         "",
         f"`{command}` — {stamp}, whole run {r.timings['total s']:.0f} s.",
-        f"Machine: {machine_note()}.",
+        f"Machine: {machine_note(with_model=True)}.",
         f"One slotproxy (uvloop) → `slotproxy fake-upstream --chunks {HOLD_CHUNKS} --delay-ms {HOLD_DELAY_MS}` "
         f"(no cap); {args.workers} client processes (aiohttp, `TCPConnector(limit=0)`); the {args.measured} "
         "measured streams run in the bench process. RSS = VmRSS of the proxy process.",
         "",
         "### Targets",
         "",
-        "| target | measured | goal | |",
-        "|---|---|---|---|",
-        *(f"| {label} | {measured} | {goal} | {verdict(ok)} |" for label, measured, goal, ok in targets(r)),
+        *pass_miss_table(targets(r)),
         "",
         "### Memory",
         "",
@@ -964,13 +838,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _raise_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    signal.signal(signal.SIGTERM, raise_on_sigterm)
     hard = raise_nofile()
     need = 2 * args.streams + args.waiters + args.measured + 200
     log(f"open-file limit raised to {hard} (the proxy needs about {need})")
