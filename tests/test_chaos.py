@@ -57,8 +57,8 @@ I4  after the drain: in_flight == 0 and queued == 0 everywhere, the fakes idle,
 I5  at least 5 fault kinds injected; cancels while queued, after the first byte
     and mid-stream all happened; reloads and admin changes happened.
 
-The tests named ``test_bug_*`` at the end are bugs found on the way, reduced to
-deterministic cases and marked xfail(strict=True) until the proxy is fixed.
+The tests named ``test_bug_*`` at the end are bugs this test found, reduced to
+deterministic regression tests.
 """
 
 from __future__ import annotations
