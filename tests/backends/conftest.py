@@ -22,7 +22,7 @@ def require_redis(url: str = REDIS_URL) -> None:
     try:
         redis.Redis.from_url(url, socket_timeout=2).ping()
     except redis.RedisError as exc:
-        pytest.fail(f"the Redis backend tests need a Redis server at {url} (scripts/test starts one): {exc}")
+        pytest.fail(f"the Redis backend tests need a Redis server at {url} (scripts/test-setup starts one): {exc}")
 
 
 def delete_prefix(url: str, prefix: str) -> None:
@@ -65,7 +65,7 @@ class PrivateRedis:
     def start(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
-            pytest.fail("redis-server is not installed (scripts/test installs it)")
+            pytest.fail("redis-server is not installed (scripts/test-setup installs it)")
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
