@@ -14,9 +14,9 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 
+from .access import ClientKeys
 from .admin import routes as admin_routes
 from .admin.metrics import Metrics
-from .access import ClientKeys
 from .backends import Backend, MemoryBackend
 from .config import Config, ProviderSettings
 from .errors import BadRequest, BodyTooLarge, ProxyError, UnknownProvider
@@ -106,7 +106,8 @@ class ProxyState:
 
     def _sync_pollers(self, providers: dict[str, ProviderSettings]) -> None:
         """One usage poller per provider with a ``usage:`` block; a changed block restarts it."""
-        if not isinstance(self.backend, MemoryBackend):
+        backend = self.backend
+        if not isinstance(backend, MemoryBackend):
             if any(settings.usage is not None for settings in providers.values()):
                 log.warning("usage: is ignored with the %s backend (the usage gate needs the memory backend)",
                             self.config.backend.kind)
@@ -120,8 +121,8 @@ class ProxyState:
                 task.add_done_callback(self._stopping.discard)
         for name, settings in providers.items():
             if settings.usage is not None and name not in self._pollers:
-                poller = UsagePoller(name, settings.usage, self.backend.limiter(name),
-                                     self.session_for(settings), self.backend.clock)
+                poller = UsagePoller(name, settings.usage, backend.limiter(name),
+                                     self.session_for(settings), backend.clock)
                 poller.start()
                 self._pollers[name] = poller
 

@@ -39,6 +39,7 @@ import socket
 import struct
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,7 +98,7 @@ class _Reply:
         return "".join(_piece(i) for i in range(self.chunks))
 
 
-class _Dialect:
+class _Dialect(ABC):
     """One API's wire shapes: errors, full answers and stream events."""
 
     id_prefix = "chatcmpl-"
@@ -109,17 +110,17 @@ class _Dialect:
         error_code = code or _OPENAI_ERROR_CODES.get(status, self.error_type(status))
         return {"error": {"message": message, "type": self.error_type(status), "code": error_code}}
 
-    def full_body(self, reply: _Reply) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def full_body(self, reply: _Reply) -> dict[str, Any]: ...
 
     def opening(self, reply: _Reply) -> list[bytes]:
         return []
 
-    def chunk(self, reply: _Reply, index: int) -> bytes:
-        raise NotImplementedError
+    @abstractmethod
+    def chunk(self, reply: _Reply, index: int) -> bytes: ...
 
-    def closing(self, reply: _Reply) -> list[bytes]:
-        raise NotImplementedError
+    @abstractmethod
+    def closing(self, reply: _Reply) -> list[bytes]: ...
 
     def stream_error(self, kind: str) -> bytes:
         return _sse({"error": {"code": kind, "message": f"In-stream error: {kind}"}})

@@ -5,15 +5,15 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from .errors import BadRequest
 from .limiter import Priority
 
 __all__ = [
     "HOP_BY_HOP",
-    "check_header_bytes",
     "PriorityHeaders",
+    "check_header_bytes",
     "forward_request_headers",
     "forward_response_headers",
     "parse_priority",
@@ -34,7 +34,7 @@ _EPOCH_MS = re.compile(r"^[0-9]{10,16}(\.[0-9]+)?$")
 _RFC3339 = re.compile(
     r"^[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\.[0-9]{1,9})?([Zz]|[+-][0-9]{2}:[0-9]{2})$"
 )
-_EARLIEST = datetime(2000, 1, 1, tzinfo=timezone.utc).timestamp()
+_EARLIEST = datetime(2000, 1, 1, tzinfo=UTC).timestamp()
 _FUTURE_SLACK = 300.0
 
 

@@ -29,7 +29,12 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from .headers import check_header_bytes, forward_request_headers, forward_response_headers, parse_priority
+from .headers import (
+    check_header_bytes,
+    forward_request_headers,
+    forward_response_headers,
+    parse_priority,
+)
 from .limiter import Priority, SlotLease
 from .signals import Backoff, StreamErrorScanner, classify_response, readable_body
 

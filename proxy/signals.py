@@ -13,7 +13,7 @@ import re
 import zlib
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import timezone
+from datetime import UTC
 from email.utils import parsedate_to_datetime
 from typing import Any
 
@@ -120,7 +120,7 @@ class StreamErrorScanner:
     two byte searches, which keeps the scanner off the relay's hot path.
     """
 
-    __slots__ = ("_tail", "_tail_hit", "_skipping", "_reported")
+    __slots__ = ("_reported", "_skipping", "_tail", "_tail_hit")
 
     def __init__(self) -> None:
         self._tail = bytearray()
@@ -221,7 +221,7 @@ def _seconds_until(http_date: str, now: float) -> float | None:
     except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=UTC)
     try:
         return max(0.0, when.timestamp() - now)
     except (ValueError, OverflowError):

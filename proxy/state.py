@@ -15,11 +15,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StateStore", "STATE_VERSION"]
+__all__ = ["STATE_VERSION", "StateStore"]
 
 log = logging.getLogger("slotproxy.state")
 
 STATE_VERSION = 1
+
+
+def _shape_problem(data: object) -> str | None:
+    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+        return f"not a version-{STATE_VERSION} slotproxy state object"
+    if not isinstance(data.get("providers", {}), dict):
+        return "'providers' is not an object"
+    return None
 
 
 class StateStore:
@@ -32,10 +40,9 @@ class StateStore:
             return None
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
-            if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
-                raise ValueError(f"not a version-{STATE_VERSION} slotproxy state object")
-            if not isinstance(data.get("providers", {}), dict):
-                raise ValueError("'providers' is not an object")
+            problem = _shape_problem(data)
+            if problem is not None:
+                raise ValueError(problem)
         except (OSError, ValueError) as exc:
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             try:

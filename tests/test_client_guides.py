@@ -316,14 +316,15 @@ async def test_claude_code_env_reaches_the_proxy_with_its_custom_headers(stage: 
     lines = exported["ANTHROPIC_CUSTOM_HEADERS"].split("\n")
     custom = {name.strip(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
     assert set(map(str.lower, custom)) <= PRIORITY_HEADERS
-    code = "\n".join([
+    lines = [
         "import json, os, anthropic",
         "headers = dict(line.split(': ', 1) for line in os.environ['ANTHROPIC_CUSTOM_HEADERS'].split('\\n'))",
         "client = anthropic.Anthropic(default_headers=headers)",  # base URL and key from the environment
         "message = client.messages.create(model='claude-sonnet-4-5', max_tokens=64,",
         "                                 messages=[{'role': 'user', 'content': 'hi'}])",
         "print(message.content[0].text)",
-    ])
+    ]
+    code = "\n".join(lines)
     env = {name: value for name, value in exported.items()} | {"ANTHROPIC_API_KEY": KEY}
     entry, (rc, out, err) = await stage.queued_entry("anthropic", run_python(code, env))
     assert rc == 0, err
@@ -335,12 +336,13 @@ async def test_claude_code_env_reaches_the_proxy_with_its_custom_headers(stage: 
 async def test_openai_base_url_env_reaches_the_proxy(stage: Stage) -> None:
     exported = await _exported(stage.rewrite(sh_block("OPENAI_BASE_URL")))
     assert exported == {"OPENAI_BASE_URL": f"{stage.proxy.url}/openai"}
-    code = "\n".join([
+    lines = [
         "from openai import OpenAI",
         "client = OpenAI()",  # base URL and key from the environment
         "reply = client.chat.completions.create(model='gpt-4o-mini', messages=[{'role': 'user', 'content': 'hi'}])",
         "print(reply.choices[0].message.content)",
-    ])
+    ]
+    code = "\n".join(lines)
     entry, (rc, out, err) = await stage.queued_entry("openai", run_python(code, exported | {"OPENAI_API_KEY": KEY}))
     assert rc == 0, err
     assert out.startswith("tok0")

@@ -143,10 +143,9 @@ async def test_anthropic_non_streaming(up: Upstream) -> None:
 
 
 async def test_anthropic_streaming(up: Upstream) -> None:
-    async with anthropic_client(up) as client:
-        async with client.messages.stream(**MESSAGES_BODY) as stream:
-            text = "".join([piece async for piece in stream.text_stream])
-            final = await stream.get_final_message()
+    async with anthropic_client(up) as client, client.messages.stream(**MESSAGES_BODY) as stream:
+        text = "".join([piece async for piece in stream.text_stream])
+        final = await stream.get_final_message()
     assert text == "tok0 tok1 tok2 "
     assert final.stop_reason == "end_turn" and final.usage.output_tokens == 3
 

@@ -76,7 +76,8 @@ async def test_queued_requests_reach_upstream_starred_then_oldest_then_newest(
     tasks = []
     for tag, headers in waiters:
         tasks.append(asyncio.create_task(client.post(url, json=chat(), headers={**headers, "x-fake-tag": tag})))
-        await wait_until(lambda n=len(tasks): proxy.status()["queued"] == n, what=f"{tag} queued")
+        count = len(tasks)
+        await wait_until(lambda n=count: proxy.status()["queued"] == n, what=f"{tag} queued")
     for response in await asyncio.gather(holder, *tasks):
         assert response.status == 200
         await response.read()

@@ -6,7 +6,13 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from ..errors import ProxyError
-from ..limiter import SlotLease, Clock, LimiterSettings, Priority, ProviderLimiter, ProviderStatus
+from ..limiter import (
+    Clock,
+    LimiterSettings,
+    Priority,
+    ProviderStatus,
+    SlotLease,
+)
 
 __all__ = ["Backend"]
 
@@ -14,9 +20,6 @@ __all__ = ["Backend"]
 class Backend(Protocol):
     clock: Clock
     on_change: Callable[[], None] | None
-
-    def limiter(self, provider: str) -> ProviderLimiter:
-        """The provider's limiter core (the usage gate attaches to it)."""
 
     def configure(self, providers: Mapping[str, LimiterSettings], starred: frozenset[str]) -> None:
         """Apply a (re)loaded config: add, update and retire providers; nothing in flight is dropped."""

@@ -6,7 +6,16 @@ import asyncio
 from collections.abc import Callable, Mapping
 
 from ..errors import ProxyError, UnknownProvider
-from ..limiter import SlotLease, Clock, Lease, LimiterSettings, LoopClock, Priority, ProviderLimiter, ProviderStatus
+from ..limiter import (
+    Clock,
+    Lease,
+    LimiterSettings,
+    LoopClock,
+    Priority,
+    ProviderLimiter,
+    ProviderStatus,
+    SlotLease,
+)
 
 __all__ = ["MemoryBackend"]
 

@@ -30,13 +30,12 @@ from redis.exceptions import RedisError, ResponseError
 
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownProvider
 from ..limiter import (
-    SlotLease,
     Clock,
     LimiterSettings,
     LoopClock,
     Priority,
-    ProviderLimiter,
     ProviderStatus,
+    SlotLease,
     WaiterStatus,
     auto_reduce_notice,
     validate_limit,
@@ -54,8 +53,20 @@ _QUEUE_LISTED = 200
 class RedisLease:
     """A slot held in Redis. ``release()`` is sync like the memory lease; the script runs in the background."""
 
-    __slots__ = ("_backend", "provider", "waiter_id", "lease_id", "granted_at", "queue_wait", "priority", "seq",
-                 "on_reclaim", "released", "reclaimed", "_watchdog")
+    __slots__ = (
+        "_backend",
+        "_watchdog",
+        "granted_at",
+        "lease_id",
+        "on_reclaim",
+        "priority",
+        "provider",
+        "queue_wait",
+        "reclaimed",
+        "released",
+        "seq",
+        "waiter_id",
+    )
 
     def __init__(self, backend: RedisBackend, provider: str, waiter_id: str, lease_id: str, granted_at_ms: int,
                  queue_wait: float, priority: Priority, seq: int) -> None:
@@ -99,7 +110,7 @@ class _Waiter:
     """A local request waiting for a grant. ``queued`` is set once Redis has answered its ENQUEUE
     with "queued": only then do renewals heartbeat it (an ENQUEUE still in flight is not lost)."""
 
-    __slots__ = ("future", "provider", "priority", "seq", "asked_at", "queued")
+    __slots__ = ("asked_at", "future", "priority", "provider", "queued", "seq")
 
     def __init__(self, future: asyncio.Future[RedisLease], provider: str, priority: Priority, asked_at: float) -> None:
         self.future = future
@@ -243,9 +254,6 @@ class RedisBackend:
 
     def has_provider(self, name: str) -> bool:
         return name in self._settings
-
-    def limiter(self, provider: str) -> ProviderLimiter:
-        raise NotImplementedError("the usage gate needs the memory backend")
 
 
     # ----- acquire ---------------------------------------------------------------

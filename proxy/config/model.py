@@ -89,7 +89,7 @@ def parse_duration(value: object) -> float:
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
         seconds = float(value)
     else:
-        raise ValueError(_DURATION_HINT)
+        raise ValueError(_DURATION_HINT)  # noqa: TRY004 - pydantic reports ValueError, not TypeError
     if not math.isfinite(seconds):
         raise ValueError(_DURATION_HINT)
     if seconds < 0:
@@ -201,7 +201,7 @@ def _int_type(message: str, low: int, high: int | None = None, *, nullable: bool
         if value is None and nullable:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(message)
+            raise ValueError(message)  # noqa: TRY004 - pydantic reports ValueError, not TypeError
         if value < low or (high is not None and value > high):
             raise ValueError(message)
         return value

@@ -94,8 +94,18 @@ class SlotLease(Protocol):
 class Lease:
     """A held slot. ``release()`` may be called any number of times; only the first counts."""
 
-    __slots__ = ("_limiter", "granted_at", "headers_at", "on_reclaim", "priority", "queue_wait",
-                 "reclaimed", "released", "seq", "_watchdog")
+    __slots__ = (
+        "_limiter",
+        "_watchdog",
+        "granted_at",
+        "headers_at",
+        "on_reclaim",
+        "priority",
+        "queue_wait",
+        "reclaimed",
+        "released",
+        "seq",
+    )
 
     def __init__(
         self, limiter: ProviderLimiter, priority: Priority, seq: int, granted_at: float, queue_wait: float
@@ -183,7 +193,7 @@ def _optional_int(value: object) -> int | None:
 
 
 def _ms(seconds: float) -> int:
-    return int(round(seconds * 1000))
+    return round(seconds * 1000)
 
 
 class ProviderLimiter:

@@ -109,7 +109,8 @@ async def test_starring_a_workspace_moves_its_waiting_request_to_the_front(start
     for tag, age in (("old-a", 300_000), ("old-b", 200_000), ("new-c", 0)):
         waiting.append(asyncio.create_task(client.post(url, json=chat(), headers={
             "x-fake-tag": tag, "X-Workspace-Id": tag, "X-Prompt-Started-At": str(now_ms - age)})))
-        await wait_until(lambda n=len(waiting): proxy.status()["queued"] == n)
+        count = len(waiting)
+        await wait_until(lambda n=count: proxy.status()["queued"] == n)
     async with client.put(f"{proxy.url}/_slotproxy/workspaces/new-c/star") as resp:
         assert resp.status == 200
         assert (await resp.json())["starred_workspaces"] == ["new-c"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import aiohttp
 import pytest
 import redis
 
@@ -148,7 +150,8 @@ async def test_queue_order_is_global_across_replicas(start_upstream, client, rep
     ):
         waiting.append(asyncio.create_task(client.post(replica.url + url, json=chat(),
                                                        headers={**headers, "x-fake-tag": tag})))
-        await wait_for(lambda n=len(waiting): _queued(client, a, n), what=f"{tag} queued")
+        count = len(waiting)
+        await wait_for(lambda n=count: _queued(client, a, n), what=f"{tag} queued")
     for response in await asyncio.gather(holder, *waiting):
         assert response.status == 200
         await response.read()
@@ -182,10 +185,9 @@ async def test_a_killed_replicas_slots_come_back_within_the_lease_ttl(
     assert time.monotonic() - killed_at < 2.0 + 2.0
     await response.read()
     for task in held:
-        try:
+        # The doomed replica died mid-stream: these ended with a connection error.
+        with contextlib.suppress(aiohttp.ClientError):
             (await task).close()
-        except Exception:
-            pass
 
 
 async def test_a_429_on_one_replica_pauses_all_and_reduces_once(

@@ -68,8 +68,8 @@ def test_spec_wording_for_a_bad_limit() -> None:
         ("providers: {p: http://x}", "providers.p: must be a mapping (line 1)"),
         (
             "providers:\n  _x: {upstream: 'http://x'}",
-            "providers._x: reserved for the proxy's own routes "
-            "(ids starting with _, metrics, healthz, readyz) (line 2)",
+            ("providers._x: reserved for the proxy's own routes "
+             "(ids starting with _, metrics, healthz, readyz) (line 2)"),
         ),
         (
             "providers:\n  p: {upstream: 'http://x', auth: basic}",

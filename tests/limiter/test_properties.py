@@ -21,10 +21,24 @@ from typing import Any
 
 from hypothesis import example, given, note
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 from proxy.errors import ProxyError, QueueFull
-from proxy.limiter import FakeClock, Lease, LimiterSettings, Priority, ProviderLimiter, Waiter, auto_reduce_notice
+from proxy.limiter import (
+    FakeClock,
+    Lease,
+    LimiterSettings,
+    Priority,
+    ProviderLimiter,
+    Waiter,
+    auto_reduce_notice,
+)
 from proxy.limiter.gate import UsageGate
 
 # A failing property makes hypothesis's pytest plugin import libcst (to suggest an explicit
@@ -62,7 +76,7 @@ def queue_key(priority: Priority, seq: int, starred: frozenset[str]) -> tuple[in
 
 
 def ms(seconds_: float) -> int:
-    return int(round(seconds_ * 1000))
+    return round(seconds_ * 1000)
 
 
 def deadline(now: float, delay: float) -> float:

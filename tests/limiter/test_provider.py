@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from proxy.errors import QueueFull
-from proxy.limiter import FakeClock, Lease, LimiterSettings, Priority, ProviderLimiter, auto_reduce_notice
+from proxy.limiter import (
+    FakeClock,
+    Lease,
+    LimiterSettings,
+    Priority,
+    ProviderLimiter,
+    auto_reduce_notice,
+)
 
 T0 = 1_700_000_000.0
 
