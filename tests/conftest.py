@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import subprocess
 import textwrap
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +100,38 @@ async def start_proxy() -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
 async def client() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         yield session
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (also what tests use as an unreachable upstream)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, int]:
+    """Serve a test's own aiohttp app on 127.0.0.1; the caller cleans the runner up."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
+async def wait_healthy(client: aiohttp.ClientSession, url: str, *, process: subprocess.Popen[str] | None = None,
+                       timeout: float = 15) -> None:
+    """Poll ``{url}/healthz`` until it answers 200; fail early if the serving process died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            async with client.get(f"{url}/healthz") as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if (process is not None and process.poll() is not None) or time.monotonic() > deadline:
+            detail = process.stderr.read() if process is not None and process.stderr else ""
+            raise AssertionError(f"proxy at {url} did not become healthy {detail}")
+        await asyncio.sleep(0.05)
 
 
 def provider_yaml(upstream: Upstream, **settings: Any) -> str:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 import openai
 import pytest
 from aiohttp import web
 
-from .conftest import Upstream, chat, provider_yaml, wait_until
+from .conftest import Upstream, chat, free_port, provider_yaml, serve_app, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -73,23 +72,14 @@ class BrokenUsage:
         return web.json_response({"concurrent": {"sessions": 0}})
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["down", "500", "invalid json", "missing field", "slow"])
 async def test_failing_usage_poll_falls_back_to_cooldown_only(start_upstream, start_proxy, client, mode) -> None:
     upstream = await start_upstream(cap=2, chunks=2, delay_ms=10)
     broken = BrokenUsage(mode)
     app = web.Application()
     app.router.add_get("/usage", broken.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = closed_port() if mode == "down" else runner.addresses[0][1]
+    runner, served_port = await serve_app(app)
+    port = free_port() if mode == "down" else served_port
     usage = f"{{url: 'http://127.0.0.1:{port}/usage', field: concurrent.sessions, interval: 300ms}}"
     try:
         proxy = await start_proxy(provider_yaml(upstream, limit=2, release_cooldown="50ms", usage=usage))

@@ -83,7 +83,7 @@ import pytest
 from proxy.config import parse_config
 from proxy.server import ConfigWatcher
 
-from .conftest import Proxy, Upstream, wait_until
+from .conftest import Proxy, Upstream, serve_app, wait_until
 
 SEED = int(os.environ.get("CHAOS_SEED", "20261129"))
 SECONDS = float(os.environ.get("CHAOS_SECONDS", "40"))
@@ -887,10 +887,7 @@ async def _split_body_upstream(status: int, body: bytes, gap: float = 0.2) -> tu
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, runner.addresses[0][1]
+    return await serve_app(app)
 
 
 _QUOTA_BODY = json.dumps({"error": {
@@ -956,10 +953,7 @@ async def _gzip_error_upstream(status: int, body: bytes) -> tuple[Any, int]:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, runner.addresses[0][1]
+    return await serve_app(app)
 
 
 _GEMINI_RETRY_BODY = json.dumps({"error": {

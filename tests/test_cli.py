@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from .conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,12 +26,6 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = No
         cwd=cwd or REPO, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout,
         check=False,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float = 15) -> bytes:

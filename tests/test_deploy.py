@@ -17,7 +17,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ import yaml
 
 from proxy.config import Config, parse_config
 
-from .conftest import Proxy, provider_yaml
+from .conftest import Proxy, free_port, provider_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
@@ -95,12 +94,6 @@ def probe_text(probe: dict[str, Any]) -> str:
     if "httpGet" in probe:
         return f"{probe['httpGet']['path']} port {probe['httpGet']['port']}"
     return " ".join(probe["exec"]["command"])
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def run_against(argv: list[str], port: int) -> int:

@@ -19,8 +19,8 @@ from proxy.app import ProxyState, start_server
 from proxy.config import load_config
 from proxy.server import ConfigWatcher
 
-from .conftest import chat, wait_until
-from .test_cli import free_port, wait_http
+from .conftest import chat, free_port, wait_until
+from .test_cli import wait_http
 
 
 def write_config(path: Path, upstream_url: str, limit: int | str, extra: str = "") -> None:

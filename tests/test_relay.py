@@ -12,7 +12,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from .conftest import chat, provider_yaml, wait_until
+from .conftest import chat, provider_yaml, serve_app, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -100,11 +100,7 @@ async def test_gzip_body_reaches_the_client_byte_identical(start_proxy, client) 
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", gzipped)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
+    runner, port = await serve_app(app)
     try:
         proxy = await start_proxy(f"state: {{path: null}}\nproviders:\n  openai: {{upstream: 'http://127.0.0.1:{port}/v1', limit: 1}}\n")
         for query, length in (("", str(len(payload))), ("?chunked=1", None)):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 import pytest
 
-from .conftest import Proxy, Upstream, chat, provider_yaml, wait_until
+from .conftest import Proxy, Upstream, chat, free_port, provider_yaml, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -18,12 +17,6 @@ async def drained(proxy: Proxy, upstream: Upstream | None = None) -> None:
                      what="in_flight 0 and queued 0")
     if upstream is not None:
         await wait_until(lambda: upstream.fake.stats()["active"] == 0, what="upstream idle")
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def test_normal_end_releases(start_upstream, start_proxy, client) -> None:
@@ -66,7 +59,7 @@ async def test_client_leaving_mid_stream_releases_and_closes_upstream(start_upst
 
 
 async def test_upstream_connect_failure_gives_502_and_releases(start_proxy, client) -> None:
-    proxy = await start_proxy(f"state: {{path: null}}\nproviders:\n  openai: {{upstream: 'http://127.0.0.1:{closed_port()}/v1', limit: 1}}\n")
+    proxy = await start_proxy(f"state: {{path: null}}\nproviders:\n  openai: {{upstream: 'http://127.0.0.1:{free_port()}/v1', limit: 1}}\n")
     async with client.post(f"{proxy.url}/openai/chat/completions", json=chat()) as resp:
         assert resp.status == 502
         body = await resp.json()

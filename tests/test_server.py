@@ -14,24 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import chat
-from .test_cli import free_port
+from .conftest import chat, free_port, wait_healthy
 
 pytestmark = pytest.mark.asyncio
-
-
-async def wait_healthy(client, port: int, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            async with client.get(f"http://127.0.0.1:{port}/healthz") as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError("proxy did not become healthy")
-        await asyncio.sleep(0.05)
 
 
 def spawn(config: Path, port: int, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
@@ -53,7 +38,7 @@ async def test_sigterm_finishes_streams_answers_queued_503_and_exits_0(start_ups
     port = free_port()
     process = spawn(config, port)
     try:
-        await wait_healthy(client, port)
+        await wait_healthy(client, f"http://127.0.0.1:{port}", process=process)
         url = f"http://127.0.0.1:{port}/openai/chat/completions"
         streaming = await client.post(url, json=chat())
         assert streaming.status == 200
@@ -93,7 +78,7 @@ async def test_json_logs_mask_secrets(start_upstream, client, tmp_path: Path) ->
     secret = "sk-test-provider-key-abcdef123456"
     process = spawn(config, port, "--log-format", "json", "--log-level", "DEBUG", env={"TEST_PROVIDER_KEY": secret})
     try:
-        await wait_healthy(client, port)
+        await wait_healthy(client, f"http://127.0.0.1:{port}", process=process)
         url = f"http://127.0.0.1:{port}/openai/chat/completions"
         async with client.post(url, json=chat(), headers={"x-fake-status": "429",
                                                           "Authorization": "Bearer sk-client-key-987654321"}) as resp:

@@ -21,7 +21,8 @@ from proxy.config import parse_config
 from proxy.limiter import auto_reduce_notice
 from proxy.state import STATE_VERSION
 
-from .test_cli import free_port, wait_http
+from .conftest import free_port
+from .test_cli import wait_http
 
 
 def config_text(state_path: Path, limit: int = 4, starred: str = "[]") -> str:

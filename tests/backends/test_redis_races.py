@@ -20,64 +20,62 @@ def prio() -> Priority:
     return Priority(prompt_started_at=time.time())
 
 
+@pytest.fixture
+async def one_slot(key_prefix):
+    """A Redis backend with one provider ``p`` of limit 1, and a plain client to look inside."""
+    require_redis()
+    backend = RedisBackend(REDIS_URL, key_prefix=key_prefix, lease_ttl=30)
+    await backend.start()
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        backend.configure({"p": LimiterSettings(limit=1)}, frozenset())
+        await backend.flush()
+        yield backend, client
+    finally:
+        client.close()
+        await backend.close()
+
+
 @pytest.mark.parametrize("slot_busy", [False, True])
-async def test_renew_during_an_enqueue_in_flight_neither_duplicates_nor_leaks(key_prefix, slot_busy) -> None:
-    require_redis()
-    backend = RedisBackend(REDIS_URL, key_prefix=key_prefix, lease_ttl=30)
-    await backend.start()
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        backend.configure({"p": LimiterSettings(limit=1)}, frozenset())
-        await backend.flush()
-        held = await backend.acquire("p", prio()) if slot_busy else None
-        real = backend._scripts["ENQUEUE"]
+async def test_renew_during_an_enqueue_in_flight_neither_duplicates_nor_leaks(one_slot, key_prefix, slot_busy) -> None:
+    backend, client = one_slot
+    held = await backend.acquire("p", prio()) if slot_busy else None
+    real = backend._scripts["ENQUEUE"]
 
-        async def slow_enqueue(*args, **kwargs):
-            await asyncio.sleep(0.05)
-            return await real(*args, **kwargs)
+    async def slow_enqueue(*args, **kwargs):
+        await asyncio.sleep(0.05)
+        return await real(*args, **kwargs)
 
-        backend._scripts["ENQUEUE"] = slow_enqueue
-        waiting = asyncio.create_task(backend.acquire("p", prio()))
-        await asyncio.sleep(0.01)
-        await backend._renew_once()
-        await asyncio.sleep(0.2)
-        backend._scripts["ENQUEUE"] = real
-        if held is not None:
-            assert client.zcard(f"{key_prefix}:p:waiters") == 1
-            held.release()
-        lease = await asyncio.wait_for(waiting, 5)
-        await backend.flush()
-        assert client.zcard(f"{key_prefix}:p:leases") == 1, "exactly one lease: the waiter's own"
-        assert client.zcard(f"{key_prefix}:p:waiters") == 0
-        lease.release()
-        await backend.flush()
-        third = await asyncio.wait_for(backend.acquire("p", prio()), 5)
-        third.release()
-        await backend.flush()
-        assert client.zcard(f"{key_prefix}:p:leases") == 0
-        assert backend.healthy
-    finally:
-        client.close()
-        await backend.close()
-
-
-async def test_an_orphan_queue_entry_is_dropped_not_fatal(key_prefix) -> None:
-    require_redis()
-    backend = RedisBackend(REDIS_URL, key_prefix=key_prefix, lease_ttl=30)
-    await backend.start()
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        backend.configure({"p": LimiterSettings(limit=1)}, frozenset())
-        await backend.flush()
-        held = await backend.acquire("p", prio())
-        client.zadd(f"{key_prefix}:p:waiters", {"000000000000000000000000001:ghost": 0})
-        waiting = asyncio.create_task(backend.acquire("p", prio()))
-        await asyncio.sleep(0.1)
+    backend._scripts["ENQUEUE"] = slow_enqueue
+    waiting = asyncio.create_task(backend.acquire("p", prio()))
+    await asyncio.sleep(0.01)
+    await backend._renew_once()
+    await asyncio.sleep(0.2)
+    backend._scripts["ENQUEUE"] = real
+    if held is not None:
+        assert client.zcard(f"{key_prefix}:p:waiters") == 1
         held.release()
-        (await asyncio.wait_for(waiting, 5)).release()
-        await backend.flush()
-        assert backend.healthy
-        assert client.zcard(f"{key_prefix}:p:waiters") == 0
-    finally:
-        client.close()
-        await backend.close()
+    lease = await asyncio.wait_for(waiting, 5)
+    await backend.flush()
+    assert client.zcard(f"{key_prefix}:p:leases") == 1, "exactly one lease: the waiter's own"
+    assert client.zcard(f"{key_prefix}:p:waiters") == 0
+    lease.release()
+    await backend.flush()
+    third = await asyncio.wait_for(backend.acquire("p", prio()), 5)
+    third.release()
+    await backend.flush()
+    assert client.zcard(f"{key_prefix}:p:leases") == 0
+    assert backend.healthy
+
+
+async def test_an_orphan_queue_entry_is_dropped_not_fatal(one_slot, key_prefix) -> None:
+    backend, client = one_slot
+    held = await backend.acquire("p", prio())
+    client.zadd(f"{key_prefix}:p:waiters", {"000000000000000000000000001:ghost": 0})
+    waiting = asyncio.create_task(backend.acquire("p", prio()))
+    await asyncio.sleep(0.1)
+    held.release()
+    (await asyncio.wait_for(waiting, 5)).release()
+    await backend.flush()
+    assert backend.healthy
+    assert client.zcard(f"{key_prefix}:p:waiters") == 0

@@ -17,8 +17,7 @@ import aiohttp
 import pytest
 import redis
 
-from ..conftest import chat
-from ..test_cli import free_port
+from ..conftest import chat, free_port, wait_healthy
 from .conftest import REDIS_URL, require_redis
 
 pytestmark = pytest.mark.asyncio
@@ -33,19 +32,6 @@ class Replica:
              "--log-level", "WARNING"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
         )
-
-    async def wait_healthy(self, client, timeout: float = 15) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                async with client.get(f"{self.url}/healthz") as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"replica did not start: {self.process.stderr.read() if self.process.stderr else ''}")
-            await asyncio.sleep(0.05)
 
     async def status(self, client, provider: str = "openai") -> dict:
         async with client.get(f"{self.url}/_slotproxy/status") as resp:
@@ -84,7 +70,7 @@ async def replicas(client) -> AsyncIterator[Callable[..., asyncio.Future]]:
         batch = [Replica(config, env) for _ in range(count)]
         started.extend(batch)
         for replica in batch:
-            await replica.wait_healthy(client)
+            await wait_healthy(client, replica.url, process=replica.process)
         return batch
 
     yield start
