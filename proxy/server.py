@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from .aio import cancel_and_wait
 from .app import ProxyState, start_server
 from .config import Config, ConfigError, load_config
 from .errors import ShuttingDown
@@ -44,12 +45,7 @@ class ConfigWatcher:
         self._task = asyncio.get_running_loop().create_task(self._poll())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     async def _poll(self) -> None:
         while True:

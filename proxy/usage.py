@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 
+from .aio import cancel_and_wait
 from .config.model import Usage
 from .limiter import Clock, ProviderLimiter
 from .limiter.gate import UsageGate
@@ -67,12 +68,7 @@ class UsagePoller:
     async def stop(self) -> None:
         if self._limiter.gate is self.gate:
             self._limiter.gate = None
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     def _next_poll_in(self) -> float | None:
         """Nobody waits: only on demand. Waiters and the last poll said full: busy_interval. Else interval."""

@@ -36,6 +36,8 @@ class Deadlines:
 
     def settle(self, live: int) -> None:
         """Drop waiters that already left from the top; compact when mostly dead; disarm when empty."""
+        if not self._heap:
+            return
         while self._heap and not self._heap[0][2].queued:
             heapq.heappop(self._heap)
         if len(self._heap) > 2 * live + 64:
