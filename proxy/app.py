@@ -134,8 +134,6 @@ class ProxyState:
 
     def _forget_overrides_changed_in_yaml(self, config: Config) -> None:
         """A YAML edit of a workspace's star is a manual act: it wins over the admin API's override."""
-        if not hasattr(self, "_providers"):
-            return
         before, after = set(self.config.workspaces.starred), set(config.workspaces.starred)
         for workspace in before ^ after:
             self._star_overrides.pop(workspace, None)
