@@ -336,10 +336,19 @@ class RedisBackend:
             lease._watchdog = asyncio.get_running_loop().call_later(slot_timeout, lease.reclaim, "slot_timeout")
         return lease
 
-    def _resolve(self, waiter_id: str, grant: str) -> None:
-        """A grant for one of our waiters. One that already left is handled by its CANCEL script."""
+    def _resolve(self, waiter_id: str, grant: str, *, picked_up_for: str | None = None) -> None:
+        """A grant for one of our waiters.
+
+        If the waiter already left, its CANCEL script hands the lease back, as long as
+        the grant is still recorded in Redis. A grant already picked up from Redis
+        (``picked_up_for`` names its provider: RENEW and ENQUEUE take it out) has no
+        record left for CANCEL to find, so it is released here.
+        """
         waiter = self._waiters.get(waiter_id)
         if waiter is None or waiter.future.done():
+            if picked_up_for is not None:
+                self._spawn(self._guarded("RELEASE", picked_up_for, grant.split(" ")[0], waiter_id,
+                                          self._lease_ttl_ms, self._channel))
             return
         waiter.future.set_result(self._adopt(waiter_id, waiter, grant))
 
@@ -403,7 +412,7 @@ class RedisBackend:
                     lease.reclaim("its lease expired in redis")
             for grant in map(_text, grants):
                 waiter_id, rest = grant.split(" ", 1)
-                self._resolve(waiter_id, rest)
+                self._resolve(waiter_id, rest, picked_up_for=provider)
             for waiter_id in map(_text, lost):
                 self._requeue_lost(waiter_id)
             self._schedule_dispatch(provider, int(_text(next_at)))
@@ -422,7 +431,7 @@ class RedisBackend:
         except RedisError:
             return
         if int(result[0]) == 1:
-            self._resolve(waiter_id, _text(result[1]))
+            self._resolve(waiter_id, _text(result[1]), picked_up_for=waiter.provider)
 
     # ----- control ---------------------------------------------------------------
 

@@ -79,3 +79,20 @@ async def test_an_orphan_queue_entry_is_dropped_not_fatal(one_slot, key_prefix) 
     await backend.flush()
     assert backend.healthy
     assert client.zcard(f"{key_prefix}:p:waiters") == 0
+
+
+
+async def test_a_grant_picked_up_for_a_waiter_that_left_is_handed_back(one_slot, key_prefix) -> None:
+    """RENEW and a repeated ENQUEUE take a grant out of Redis; if its waiter already left, no CANCEL
+    script can find it any more, so the replica releases the lease itself."""
+    backend, client = one_slot
+    lease = await backend.acquire("p", prio())
+    backend._resolve("a-waiter-that-left", f"{lease.lease_id} 0")
+    await backend.flush()
+    assert client.zcard(f"{key_prefix}:p:leases") == 1, "still recorded in Redis: CANCEL's job, not this one's"
+    backend._resolve("a-waiter-that-left", f"{lease.lease_id} 0", picked_up_for="p")
+    await backend.flush()
+    assert client.zcard(f"{key_prefix}:p:leases") == 0
+    lease.release()
+    await backend.flush()
+    assert client.zcard(f"{key_prefix}:p:leases") == 0
