@@ -26,6 +26,9 @@ from dataclasses import replace
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownProvider
@@ -143,7 +146,8 @@ class RedisBackend:
         self._mode = on_backend_error
         self._local_limit = local_limit
         self._channel = f"{key_prefix}:grant:"
-        self._redis: aioredis.Redis = aioredis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+        self._redis: aioredis.Redis = aioredis.from_url(url, socket_timeout=2, socket_connect_timeout=2,
+                                                        retry=_reconnect_once())
         self._scripts = {name: self._redis.register_script(getattr(lua, name)) for name in lua.__all__}
         self._settings: dict[str, LimiterSettings] = {}
         self._starred: frozenset[str] = frozenset()
@@ -480,11 +484,15 @@ class RedisBackend:
     # ----- observing -------------------------------------------------------------
 
     async def refresh(self) -> None:
-        """Read every provider's shared state from Redis into the snapshot that status and metrics read."""
+        """Read every provider's shared state from Redis into the snapshot that status and metrics read.
+
+        A provider whose state cannot be read loses its snapshot rather than showing an old one as
+        current: status then shows this replica's own view (its local limiter in ``local`` mode)."""
         for provider in list(self._settings):
             try:
                 result = await self._run("STATS", provider, _QUEUE_LISTED)
             except RedisError:
+                self._snapshot.pop(provider, None)
                 continue
             self._snapshot[provider] = self._status_from(provider, result)
 
@@ -524,6 +532,8 @@ class RedisBackend:
 
     def provider_status(self, provider: str) -> ProviderStatus:
         self._require(provider)
+        if not self.healthy and self._mode == "local":
+            return self._local.provider_status(provider)
         status = self._snapshot.get(provider)
         if status is None:
             settings = self._settings[provider]
@@ -560,6 +570,14 @@ class RedisBackend:
 
     def ready(self) -> bool:
         return self.healthy
+
+
+def _reconnect_once() -> Retry:
+    """After Redis restarts, every pooled connection is dead: each one's first command fails
+    with a ConnectionError before the new server ever saw it. One immediate retry on a fresh
+    connection makes that invisible. Every script is idempotent (ENQUEUE per waiter id, RELEASE
+    and CANCEL per lease, BACKOFF within its pause), so a retry never counts anything twice."""
+    return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
 
 
 def _limit_arg(limit: int | None) -> str:

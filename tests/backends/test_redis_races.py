@@ -96,3 +96,54 @@ async def test_a_grant_picked_up_for_a_waiter_that_left_is_handed_back(one_slot,
     lease.release()
     await backend.flush()
     assert client.zcard(f"{key_prefix}:p:leases") == 0
+
+
+async def test_pooled_connections_survive_a_redis_restart(private_redis) -> None:
+    """Every pooled connection is dead after a restart; the first command on each must still succeed."""
+    backend = RedisBackend(private_redis.url, key_prefix="restart", lease_ttl=30, on_backend_error="local",
+                           local_limit=1)
+    await backend.start()
+    try:
+        backend.configure({"p": LimiterSettings(limit=4)}, frozenset())
+        await backend.flush()
+        leases = await asyncio.gather(*(backend.acquire("p", prio()) for _ in range(4)))
+        pooled = len(backend._redis.connection_pool._available_connections)
+        assert pooled >= 2, "several pooled connections, all of them about to go stale"
+        for lease in leases:
+            lease.release()
+        await backend.flush()
+        private_redis.stop()
+        private_redis.start()
+        await backend._configure_one("p")
+        stats = await asyncio.gather(*(backend.refresh() for _ in range(pooled)))
+        assert len(stats) == pooled
+        assert backend.healthy, backend.error
+        status = backend.provider_status("p")
+        assert (status.limit, status.in_flight) == (4, 0)
+        lease = await backend.acquire("p", prio())
+        await backend.refresh()
+        assert backend.provider_status("p").in_flight == 1
+        lease.release()
+    finally:
+        await backend.close()
+
+
+async def test_status_in_local_mode_shows_the_local_limiter(private_redis) -> None:
+    backend = RedisBackend(private_redis.url, key_prefix="outage", lease_ttl=30, on_backend_error="local",
+                           local_limit=1)
+    await backend.start()
+    try:
+        backend.configure({"p": LimiterSettings(limit=4)}, frozenset())
+        await backend.flush()
+        await backend.refresh()
+        assert backend.provider_status("p").limit == 4
+        private_redis.stop()
+        await backend.refresh()
+        assert not backend.healthy
+        lease = await backend.acquire("p", prio())
+        status = backend.provider_status("p")
+        assert (status.limit, status.in_flight) == (1, 1), "this replica's own limiter while Redis is away"
+        lease.release()
+        assert backend.provider_status("p").in_flight == 0
+    finally:
+        await backend.close()
