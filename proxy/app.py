@@ -83,10 +83,8 @@ class ProxyState:
         providers = {name: config.provider(name) for name in config.provider_names()}
         self._auth = {name: _auth_header(settings) for name, settings in providers.items()}
         self.client_keys = ClientKeys.from_env(config.access.keys_env, os.environ)
-        for name, settings in providers.items():
-            if not settings.tls_verify:
-                log.warning("providers.%s.tls_verify is false: the upstream's TLS certificate is not checked "
-                            "(meant for self-signed test setups only)", name)
+        for warning in config.warnings():
+            log.warning("%s", warning)
         self.priority_headers = PriorityHeaders(
             workspace=config.headers.workspace,
             starred=config.headers.starred,
@@ -108,9 +106,6 @@ class ProxyState:
         """One usage poller per provider with a ``usage:`` block; a changed block restarts it."""
         backend = self.backend
         if not isinstance(backend, MemoryBackend):
-            if any(settings.usage is not None for settings in providers.values()):
-                log.warning("usage: is ignored with the %s backend (the usage gate needs the memory backend)",
-                            self.config.backend.kind)
             return
         for name, poller in list(self._pollers.items()):
             settings = providers.get(name)

@@ -74,6 +74,29 @@ def test_check_prints_the_effective_config_with_secrets_masked(tmp_path: Path) -
     assert "limit: 3" in result.stdout
 
 
+def test_check_warns_about_settings_that_switch_something_off(tmp_path: Path) -> None:
+    config = tmp_path / "weak.yaml"
+    config.write_text(textwrap.dedent("""\
+        backend: {kind: redis, url: 'redis://127.0.0.1:6379/0'}
+        providers:
+          openai:
+            upstream: https://api.openai.com/v1
+            usage: {url: 'https://example.invalid/usage', field: a.b}
+          local:
+            upstream: https://127.0.0.1:8443/v1
+            tls_verify: false
+        """))
+    result = run_cli("check", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    warnings = result.stderr.strip().splitlines()
+    assert warnings == [
+        ("warning: providers.openai.usage is ignored with the redis backend: the usage gate needs "
+         "backend.kind: memory (release_cooldown still applies)"),
+        ("warning: providers.local.tls_verify is false: the upstream's TLS certificate is not checked "
+         "(meant for self-signed test setups only)"),
+    ]
+
+
 def test_serve_without_a_config_names_every_place_it_looked(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "SLOTPROXY_CONFIG"}
     result = subprocess.run([sys.executable, "-m", "proxy", "serve"], cwd=tmp_path, env=env,

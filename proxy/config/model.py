@@ -531,6 +531,18 @@ class Config(_Frozen):
     def provider_names(self) -> list[str]:
         return list(self.providers)
 
+    def warnings(self) -> list[str]:
+        """Valid settings that weaken or switch off something: ``check`` prints them, ``serve`` logs them."""
+        found = []
+        for name, settings in self._settings.items():
+            if not settings.tls_verify:
+                found.append(f"providers.{name}.tls_verify is false: the upstream's TLS certificate is not "
+                             "checked (meant for self-signed test setups only)")
+            if settings.usage is not None and self.backend.kind != "memory":
+                found.append(f"providers.{name}.usage is ignored with the {self.backend.kind} backend: the usage "
+                             "gate needs backend.kind: memory (release_cooldown still applies)")
+        return found
+
     def masked(self) -> dict[str, Any]:
         """The effective config as JSON-able data, with every secret value replaced by ``***``."""
         data = self.model_dump(mode="json")
