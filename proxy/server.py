@@ -15,6 +15,8 @@ from .aio import cancel_and_wait
 from .app import ProxyState, start_server
 from .config import Config, ConfigError, load_config
 from .errors import ShuttingDown
+from .heap import HeapKeeper
+from .limiter import LoopClock
 
 __all__ = ["ConfigWatcher", "serve", "shutdown"]
 
@@ -106,9 +108,12 @@ async def _serve(config: Config, path: str, host: str, port: int) -> int:
     # collector from walking it again on every full collection.
     gc.collect()
     gc.freeze()
+    heap = HeapKeeper(lambda: state.active_requests, LoopClock(loop))
+    heap.start()
     log.info("slotproxy listening on http://%s:%d (providers: %s; config %s)",
              host, bound, ", ".join(config.provider_names()) or "none", path)
     await stop.wait()
+    heap.stop()
     await watcher.stop()
     await shutdown(state, runner)
     return 0
