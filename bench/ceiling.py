@@ -125,7 +125,7 @@ def report(results: dict[str, list[tuple[float, float]]], command: str) -> str:
     nginx = [rps for rps, _ in results["nginx"]]
     lines = [
         f"`{command}` — {CONNS} connections, wrk 1 thread.",
-        machine_note(f"{nginx_version()}, wrk {wrk_version()}", with_model=True),
+        machine_note(nginx_version(), wrk_version(), with_model=True),
         "Cells: median over rounds (min–max); the ratio is paired per round with nginx (`worker_processes 1`).",
         "",
         "| path | req/s | ratio to nginx | CPU µs/req (its processes) | meets 0.20? |",
