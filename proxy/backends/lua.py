@@ -6,20 +6,29 @@ Keys of one provider (``{prefix}:{provider}:...``), always passed in this order:
  1    cfg       hash: limit, configured_limit, auto_reduced_from, notice,
                 cooldown_ms, configured_cooldown_ms, paused_until,
                 last_reduction_at, last_backoff_at, default_pause_ms,
-                recovery_ms, and counters (granted, backoffs, ...)
- 2    leases    zset: lease id -> expiry (ms); renewed by the holder
+                recovery_ms, created_at, settle_until, and counters
+                (granted, backoffs, ...)
+ 2    leases    zset: lease id (= the waiter id it was granted to) -> expiry
+                (ms); renewed by the holder
  3    cooling   zset: released lease id -> end of its release cooldown (ms)
  4    waiters   zset, all scores 0, ordered by member:
                 ``{0 starred|1}{prompt ms:014}{arrival:012}:{waiter id}``
  5    winfo     hash: waiter id -> JSON (member, replica, workspace, ...)
  6    whb       zset: waiter id -> heartbeat expiry (ms)
  7    granted   hash: waiter id -> "lease granted_at" until its replica picks it up
- 8    seq       counter for arrival numbers and lease ids
+ 8    seq       counter for arrival numbers
  9    stars     set of starred workspaces (shared by all providers)
 ====  ========  =============================================================
 
 All times come from Redis's own ``TIME``, so replicas with skewed clocks agree.
 Grants are published on ``{prefix}:grant:{replica}`` as "waiter lease granted_at".
+
+Nothing is granted for a provider whose ``cfg`` has no ``configured_limit``: that
+is a Redis that lost its data (restarted empty, flushed, failed over). ENQUEUE then
+answers -2 and RENEW reports it, and the replica runs CONFIGURE again. A CONFIGURE
+that re-creates the provider may hold grants back until ``settle_until``, so every
+replica's RENEW can first put back the leases it still holds (a lease granted
+before ``created_at`` was lost with the data, not expired).
 """
 
 from __future__ import annotations
@@ -73,6 +82,10 @@ local function cleanup(now)
   recover(now)
 end
 
+local function configured()
+  return redis.call('HEXISTS', KEYS[1], 'configured_limit') == 1
+end
+
 local function in_flight()
   return redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
 end
@@ -95,6 +108,7 @@ end
 
 -- Grant head waiters while there is room; each grant becomes a lease and a message to its replica.
 local function dispatch(now, lease_ttl, channel)
+  if not configured() or num('settle_until', 0) > now then return 0 end
   if num('paused_until', 0) > now then return 0 end
   local limit = limit_of()
   local count = 0
@@ -102,11 +116,10 @@ local function dispatch(now, lease_ttl, channel)
     local id, info, found = pop_head()
     if not found then break end
     if info then
-      local lease = 'L' .. redis.call('INCR', KEYS[8])
-      redis.call('ZADD', KEYS[2], now + lease_ttl, lease)
-      redis.call('HSET', KEYS[7], id, lease .. ' ' .. now)
+      redis.call('ZADD', KEYS[2], now + lease_ttl, id)
+      redis.call('HSET', KEYS[7], id, id .. ' ' .. now)
       redis.call('HINCRBY', KEYS[1], 'granted', 1)
-      redis.call('PUBLISH', channel .. info.r, id .. ' ' .. lease .. ' ' .. now)
+      redis.call('PUBLISH', channel .. info.r, id .. ' ' .. id .. ' ' .. now)
       count = count + 1
     end
   end
@@ -120,6 +133,7 @@ local function next_event(now)
     if t and t > now and (best == 0 or t < best) then best = t end
   end
   consider(num('paused_until', 0))
+  consider(num('settle_until', 0))
   local c = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
   if #c > 0 then consider(tonumber(c[2])) end
   local l = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
@@ -142,9 +156,16 @@ if done then
   redis.call('HDEL', KEYS[7], ARGV[1])
   return {1, done, tonumber(ARGV[7]) or 0}
 end
+if not configured() then return {-2, '0', tonumber(ARGV[7]) or 0} end
 local old = redis.call('HGET', KEYS[5], ARGV[1])
 if old then redis.call('ZREM', KEYS[4], cjson.decode(old).m) end
-local seq = tonumber(ARGV[7]) or redis.call('INCR', KEYS[8])
+local seq = tonumber(ARGV[7])
+if seq then
+  -- a waiter put back after Redis lost its data keeps its number; later arrivals come after it
+  if tonumber(redis.call('GET', KEYS[8]) or '0') < seq then redis.call('SET', KEYS[8], seq) end
+else
+  seq = redis.call('INCR', KEYS[8])
+end
 local starred = ARGV[4] == '1' or redis.call('SISMEMBER', KEYS[9], ARGV[3]) == 1
 local member = waiter_member(starred, tonumber(ARGV[5]), seq, ARGV[1])
 redis.call('ZADD', KEYS[4], 0, member)
@@ -209,21 +230,26 @@ return 1
 """
 
 RENEW = _PRELUDE + r"""
--- ARGV: lease_ttl, waiter_ttl, channel, n_leases, lease ids..., waiter ids...
--- Returns {missing leases, grants found for our waiters ("id lease at"), waiters lost, next event}.
+-- ARGV: lease_ttl, waiter_ttl, channel, n_leases, lease ids..., their grant times (ms)..., waiter ids...
+-- Returns {missing leases, grants found for our waiters ("id lease at"), waiters lost, next event,
+--          1 if the provider is configured here (0: Redis lost its data; run CONFIGURE)}.
+-- A lease granted before this Redis's data was created was lost with it, not expired: it is put back.
 local now = now_ms()
 cleanup(now)
 local lease_ttl, waiter_ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local n = tonumber(ARGV[4])
+local created = num('created_at', nil)
 local missing, grants, lost = {}, {}, {}
 for i = 5, 4 + n do
   if redis.call('ZSCORE', KEYS[2], ARGV[i]) then
     redis.call('ZADD', KEYS[2], 'XX', now + lease_ttl, ARGV[i])
+  elseif created == nil or tonumber(ARGV[i + n]) < created then
+    redis.call('ZADD', KEYS[2], now + lease_ttl, ARGV[i])
   else
     table.insert(missing, ARGV[i])
   end
 end
-for i = 5 + n, #ARGV do
+for i = 5 + 2 * n, #ARGV do
   local id = ARGV[i]
   if redis.call('HEXISTS', KEYS[5], id) == 1 then
     redis.call('ZADD', KEYS[6], 'XX', now + waiter_ttl, id)
@@ -238,7 +264,7 @@ for i = 5 + n, #ARGV do
   end
 end
 dispatch(now, lease_ttl, ARGV[3])
-return {missing, grants, lost, tostring(next_event(now))}
+return {missing, grants, lost, tostring(next_event(now)), configured() and 1 or 0}
 """
 
 BACKOFF = _PRELUDE + r"""
@@ -285,9 +311,13 @@ return 1
 """
 
 CONFIGURE = _PRELUDE + r"""
--- ARGV: configured limit ('none' or n), configured cooldown_ms, default_pause_ms, recovery_ms, lease_ttl, channel
+-- ARGV: configured limit ('none' or n), configured cooldown_ms, default_pause_ms, recovery_ms, lease_ttl, channel,
+--       settle_ms (how long to hold grants back if this re-creates the provider after Redis lost its data)
 -- A changed configured value is a manual act: it replaces the effective one and clears any auto-reduction.
 local now = now_ms()
+if not configured() then
+  redis.call('HSET', KEYS[1], 'created_at', now, 'settle_until', now + tonumber(ARGV[7]))
+end
 local old_limit = redis.call('HGET', KEYS[1], 'configured_limit')
 if old_limit ~= ARGV[1] then
   redis.call('HSET', KEYS[1], 'limit', ARGV[1], 'configured_limit', ARGV[1])

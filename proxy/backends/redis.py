@@ -51,6 +51,7 @@ __all__ = ["RedisBackend", "RedisLease"]
 log = logging.getLogger("slotproxy.redis")
 
 _QUEUE_LISTED = 200
+_UNCONFIGURED = -2
 
 
 class RedisLease:
@@ -60,6 +61,7 @@ class RedisLease:
         "_backend",
         "_watchdog",
         "granted_at",
+        "granted_at_ms",
         "lease_id",
         "on_reclaim",
         "priority",
@@ -77,6 +79,7 @@ class RedisLease:
         self.provider = provider
         self.waiter_id = waiter_id
         self.lease_id = lease_id
+        self.granted_at_ms = granted_at_ms
         self.granted_at = granted_at_ms / 1000.0
         self.queue_wait = queue_wait
         self.priority = priority
@@ -150,6 +153,7 @@ class RedisBackend:
                                                         retry=_reconnect_once())
         self._scripts = {name: self._redis.register_script(getattr(lua, name)) for name in lua.__all__}
         self._settings: dict[str, LimiterSettings] = {}
+        self._configured: set[str] = set()
         self._starred: frozenset[str] = frozenset()
         self._waiters: dict[str, _Waiter] = {}
         self._key_cache: dict[str, list[str]] = {}
@@ -245,10 +249,16 @@ class RedisBackend:
         self.set_starred(starred)
 
     async def _configure_one(self, provider: str) -> None:
+        """Push one provider's settings. From the second time on, a Redis found without them has lost its
+        data, so grants wait two renew rounds: long enough for every replica to put back the leases it holds."""
         settings = self._settings[provider]
         recovery_ms = int((settings.recovery_after or 0) * 1000)
-        await self._guarded("CONFIGURE", provider, _limit_arg(settings.limit), int(settings.release_cooldown * 1000),
-                            int(settings.default_pause * 1000), recovery_ms, self._lease_ttl_ms, self._channel)
+        settle_ms = int(2 * self._renew_every * 1000) if provider in self._configured else 0
+        done = await self._guarded("CONFIGURE", provider, _limit_arg(settings.limit),
+                                   int(settings.release_cooldown * 1000), int(settings.default_pause * 1000),
+                                   recovery_ms, self._lease_ttl_ms, self._channel, settle_ms)
+        if done is not None:
+            self._configured.add(provider)
 
     async def _guarded(self, name: str, provider: str, *args: Any) -> Any:
         try:
@@ -321,13 +331,20 @@ class RedisBackend:
         return await waiter.future
 
     async def _enqueue(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings) -> Any:
-        """ENQUEUE is idempotent per waiter id: a repeat keeps one entry, or returns the grant already made."""
+        """ENQUEUE is idempotent per waiter id: a repeat keeps one entry, or returns the grant already made.
+        A Redis that lost the provider's settings is configured again first."""
         priority = waiter.priority
-        return await self._run(
-            "ENQUEUE", waiter.provider, waiter_id, self.replica, priority.workspace,
-            "1" if priority.starred else "0", int(priority.prompt_started_at * 1000),
-            priority.conversation or "", "" if waiter.seq is None else waiter.seq, self._lease_ttl_ms,
-            self._waiter_ttl_ms, settings.max_queue, self._channel)
+        args = (waiter_id, self.replica, priority.workspace, "1" if priority.starred else "0",
+                int(priority.prompt_started_at * 1000), priority.conversation or "",
+                "" if waiter.seq is None else waiter.seq, self._lease_ttl_ms, self._waiter_ttl_ms,
+                settings.max_queue, self._channel)
+        result = await self._run("ENQUEUE", waiter.provider, *args)
+        if int(result[0]) == _UNCONFIGURED:
+            await self._configure_one(waiter.provider)
+            result = await self._run("ENQUEUE", waiter.provider, *args)
+            if int(result[0]) == _UNCONFIGURED:
+                raise RedisError(f"redis has no settings for provider '{waiter.provider}' and CONFIGURE failed")
+        return result
 
     def _adopt(self, waiter_id: str, waiter: _Waiter, grant: str) -> RedisLease:
         lease_id, granted_at = grant.split(" ")
@@ -404,12 +421,17 @@ class RedisBackend:
             await self._redis.ping()
             self._mark_healthy()
         for provider in list(self._settings):
-            leases = [lid for lid, lease in self._leases.items() if lease.provider == provider]
+            leases = [lease for lease in self._leases.values() if lease.provider == provider]
             waiters = [wid for wid, w in self._waiters.items()
                        if w.provider == provider and w.queued and not w.future.done()]
             result = await self._run("RENEW", provider, self._lease_ttl_ms, self._waiter_ttl_ms, self._channel,
-                                     len(leases), *leases, *waiters)
-            missing, grants, lost, next_at = result
+                                     len(leases), *(lease.lease_id for lease in leases),
+                                     *(lease.granted_at_ms for lease in leases), *waiters)
+            missing, grants, lost, next_at, configured = result
+            if not int(configured):
+                log.warning("provider=%s has no settings in redis (it lost its data); configuring it again",
+                            provider)
+                self._spawn(self._configure_one(provider))
             for lease_id in map(_text, missing):
                 lease = self._leases.get(lease_id)
                 if lease is not None:
@@ -487,10 +509,14 @@ class RedisBackend:
         """Read every provider's shared state from Redis into the snapshot that status and metrics read.
 
         A provider whose state cannot be read loses its snapshot rather than showing an old one as
-        current: status then shows this replica's own view (its local limiter in ``local`` mode)."""
+        current: status then shows this replica's own view (its local limiter in ``local`` mode).
+        One that Redis has no settings for (it lost its data) is configured again first."""
         for provider in list(self._settings):
             try:
                 result = await self._run("STATS", provider, _QUEUE_LISTED)
+                if b"configured_limit" not in result[0][::2]:
+                    await self._configure_one(provider)
+                    result = await self._run("STATS", provider, _QUEUE_LISTED)
             except RedisError:
                 self._snapshot.pop(provider, None)
                 continue

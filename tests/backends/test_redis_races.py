@@ -114,7 +114,6 @@ async def test_pooled_connections_survive_a_redis_restart(private_redis) -> None
         await backend.flush()
         private_redis.stop()
         private_redis.start()
-        await backend._configure_one("p")
         stats = await asyncio.gather(*(backend.refresh() for _ in range(pooled)))
         assert len(stats) == pooled
         assert backend.healthy, backend.error
@@ -147,3 +146,99 @@ async def test_status_in_local_mode_shows_the_local_limiter(private_redis) -> No
         assert backend.provider_status("p").in_flight == 0
     finally:
         await backend.close()
+
+
+async def _granted_within(backend: RedisBackend, count: int, wait: float) -> int:
+    tasks = [asyncio.create_task(backend.acquire("p", prio())) for _ in range(count)]
+    await asyncio.sleep(wait)
+    granted = sum(1 for task in tasks if task.done() and not task.cancelled() and task.exception() is None)
+    for task in tasks:
+        if task.done() and task.exception() is None:
+            task.result().release()
+        else:
+            task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return granted
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["idle", "one-slot-held"])
+async def test_a_redis_that_restarts_empty_keeps_the_limit(private_redis, held) -> None:
+    """Redis restarted without its data (no persistence, a flush, a failover): the replicas put the
+    limit and the slots they hold back, instead of granting without a limit."""
+    backend = RedisBackend(private_redis.url, key_prefix="wipe", lease_ttl=1.5)
+    await backend.start()
+    try:
+        backend.configure({"p": LimiterSettings(limit=1)}, frozenset())
+        await backend.flush()
+        first = await backend.acquire("p", prio())
+        if not held:
+            first.release()
+            await backend.flush()
+        private_redis.stop()
+        private_redis.start()
+        granted = await _granted_within(backend, 3, wait=2.0)
+        assert granted == (0 if held else 1), "limit 1 holds across the restart"
+        assert not first.reclaimed, "a slot held across the restart is put back, not taken from its holder"
+        status = (await _stats(backend))
+        assert status.limit == 1
+        if held:
+            assert status.in_flight == 1
+            first.release()
+            await backend.flush()
+            lease = await asyncio.wait_for(backend.acquire("p", prio()), 5)
+            lease.release()
+    finally:
+        await backend.close()
+
+
+async def _stats(backend: RedisBackend):
+    await backend.refresh()
+    return backend.provider_status("p")
+
+
+async def test_lease_ids_never_collide_after_redis_lost_its_data(private_redis) -> None:
+    backend = RedisBackend(private_redis.url, key_prefix="ids", lease_ttl=1.5)
+    await backend.start()
+    try:
+        backend.configure({"p": LimiterSettings(limit=3)}, frozenset())
+        await backend.flush()
+        before = [await backend.acquire("p", prio()) for _ in range(2)]
+        private_redis.stop()
+        private_redis.start()
+        await backend._renew_once()
+        await backend.flush()
+        await asyncio.sleep(backend._renew_every * 2.2)
+        after = await asyncio.wait_for(backend.acquire("p", prio()), 5)
+        assert after.lease_id not in {lease.lease_id for lease in before}
+        assert (await _stats(backend)).in_flight == 3
+        for lease in (*before, after):
+            lease.release()
+        await backend.flush()
+        assert (await _stats(backend)).in_flight == 0
+    finally:
+        await backend.close()
+
+
+async def test_after_redis_lost_its_data_another_replica_waits_for_the_slot_still_held(private_redis) -> None:
+    """Replica A holds the only slot when Redis restarts empty; replica B asks right after. B must
+    not be granted until A releases: A's next renewal puts its lease back within the settle time."""
+    a = RedisBackend(private_redis.url, key_prefix="two", lease_ttl=1.5)
+    b = RedisBackend(private_redis.url, key_prefix="two", lease_ttl=1.5)
+    for replica in (a, b):
+        await replica.start()
+        replica.configure({"p": LimiterSettings(limit=1)}, frozenset())
+        await replica.flush()
+    try:
+        held = await a.acquire("p", prio())
+        private_redis.stop()
+        private_redis.start()
+        waiting = asyncio.create_task(b.acquire("p", prio()))
+        await asyncio.sleep(2.0)
+        assert not waiting.done(), "B was granted a slot A still holds"
+        assert not held.reclaimed
+        held.release()
+        lease = await asyncio.wait_for(waiting, 5)
+        lease.release()
+    finally:
+        for replica in (a, b):
+            await replica.close()

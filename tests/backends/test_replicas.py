@@ -244,8 +244,15 @@ async def test_redis_stopped_mid_run(start_upstream, client, replicas, private_r
         return await readyz_status() == 200
 
     await wait_for(ready, timeout=10, what="readyz 200 after redis came back")
-    async with client.post(url, json=chat()) as resp:
-        assert resp.status == 200
-        await resp.read()
+
+    async def served() -> bool:
+        """Redis came back empty: grants resume once the replicas had a renew round to put back their slots."""
+        async with client.post(url, json=chat()) as resp:
+            await resp.read()
+            return resp.status == 200
+
+    await wait_for(served, timeout=10, what="a request served after redis came back")
+    status = await replica.status(client)
+    assert (status["limit"], status["configured_limit"]) == (4, 4), "the settings are back in the new redis"
     await wait_for(lambda: _zero(client, replica), what="nothing held after recovery")
     assert leases_in_redis(prefix, private_redis.url) == 0
