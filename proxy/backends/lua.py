@@ -211,7 +211,8 @@ return {removed, tostring(next_event(now))}
 """
 
 CANCEL = _PRELUDE + r"""
--- ARGV: waiter id, lease_ttl, channel. A waiter granted in the same instant hands its lease back.
+-- ARGV: waiter id, lease_ttl, channel, keep ('1': the waiter holds its lease under this id; leave it).
+-- A waiter granted in the same instant hands its lease back.
 local now = now_ms()
 local info = redis.call('HGET', KEYS[5], ARGV[1])
 if info then
@@ -222,7 +223,9 @@ end
 local g = redis.call('HGET', KEYS[7], ARGV[1])
 if g then
   redis.call('HDEL', KEYS[7], ARGV[1])
-  redis.call('ZREM', KEYS[2], string.sub(g, 1, string.find(g, ' ', 1, true) - 1))
+  if ARGV[4] ~= '1' then
+    redis.call('ZREM', KEYS[2], string.sub(g, 1, string.find(g, ' ', 1, true) - 1))
+  end
 end
 cleanup(now)
 dispatch(now, tonumber(ARGV[2]), ARGV[3])

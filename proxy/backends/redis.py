@@ -304,7 +304,7 @@ class RedisBackend:
             return
         if not future.done():
             future.cancel()
-        self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel))
+        self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel, "0"))
 
     async def _wait_for_grant(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings,
                               seq: int | None) -> SlotLease:
@@ -363,8 +363,12 @@ class RedisBackend:
         If the waiter already left, its CANCEL script hands the lease back, as long as
         the grant is still recorded in Redis. A grant already picked up from Redis
         (``picked_up_for`` names its provider: RENEW and ENQUEUE take it out) has no
-        record left for CANCEL to find, so it is released here.
+        record left for CANCEL to find, so it is released here, unless it is the
+        slot this waiter already holds (a lease id is its waiter's id), granted again
+        by a Redis that lost its data: that grant is the same slot.
         """
+        if grant.split(" ")[0] in self._leases:
+            return
         waiter = self._waiters.get(waiter_id)
         if waiter is None or waiter.future.done():
             if picked_up_for is not None:
@@ -458,6 +462,11 @@ class RedisBackend:
             return
         if int(result[0]) == 1:
             self._resolve(waiter_id, _text(result[1]), picked_up_for=waiter.provider)
+        elif waiter.future.done():
+            # Served or gone while this ENQUEUE was in flight: take the new queue entry out again,
+            # but never the slot the waiter holds under the same id.
+            keep = "1" if waiter_id in self._leases else "0"
+            self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel, keep))
 
     # ----- control ---------------------------------------------------------------
 

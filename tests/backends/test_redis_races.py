@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from proxy.backends.redis import RedisBackend
+from proxy.backends.redis import RedisBackend, _Waiter
 from proxy.limiter import LimiterSettings, Priority
 
 from .conftest import REDIS_URL, require_redis
@@ -86,13 +86,24 @@ async def test_a_grant_picked_up_for_a_waiter_that_left_is_handed_back(one_slot,
     """RENEW and a repeated ENQUEUE take a grant out of Redis; if its waiter already left, no CANCEL
     script can find it any more, so the replica releases the lease itself."""
     backend, client = one_slot
-    lease = await backend.acquire("p", prio())
-    backend._resolve("a-waiter-that-left", f"{lease.lease_id} 0")
-    await backend.flush()
-    assert client.zcard(f"{key_prefix}:p:leases") == 1, "still recorded in Redis: CANCEL's job, not this one's"
-    backend._resolve("a-waiter-that-left", f"{lease.lease_id} 0", picked_up_for="p")
+    gone = _Waiter(asyncio.get_running_loop().create_future(), "p", prio(), 0.0)
+    result = await backend._enqueue(f"{backend.replica}-gone", gone, LimiterSettings(limit=1))
+    assert int(result[0]) == 1, "granted at once: the slot was free"
+    assert client.zcard(f"{key_prefix}:p:leases") == 1
+    backend._resolve(f"{backend.replica}-gone", result[1].decode(), picked_up_for="p")
     await backend.flush()
     assert client.zcard(f"{key_prefix}:p:leases") == 0
+
+
+async def test_the_slot_a_waiter_holds_is_not_released_when_its_grant_is_picked_up_again(one_slot,
+                                                                                        key_prefix) -> None:
+    """After Redis lost its data a waiter may be granted again under the same id: that is the slot it
+    already holds, and handing it back would free a slot still in use."""
+    backend, client = one_slot
+    lease = await backend.acquire("p", prio())
+    backend._resolve(lease.waiter_id, f"{lease.lease_id} 0", picked_up_for="p")
+    await backend.flush()
+    assert client.zcard(f"{key_prefix}:p:leases") == 1
     lease.release()
     await backend.flush()
     assert client.zcard(f"{key_prefix}:p:leases") == 0
