@@ -8,9 +8,11 @@ replica, with their own heartbeat. Each state change is one Lua script (see
 renew loop doubles as the bounded fallback poll when a message is missed.
 
 When Redis cannot be reached, ``on_backend_error`` decides: ``fail_closed``
-(new requests wait, then 503 when their queue_timeout passes) or ``local``
-(each replica serves from its own memory limiter with ``local_limit``). Either
-way ``ready()`` is False until Redis answers again, and the replica rejoins.
+(new requests wait, then 503 when their queue_timeout passes; a slot whose lease
+could not be renewed for 90% of ``lease_ttl`` is given up before Redis can grant
+it elsewhere) or ``local`` (each replica serves from its own memory limiter with
+``local_limit`` and keeps the streams it has). Either way ``ready()`` is False
+until Redis answers again, and the replica rejoins.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class RedisLease:
         "queue_wait",
         "reclaimed",
         "released",
+        "renewed_at",
         "seq",
         "waiter_id",
     )
@@ -85,6 +88,7 @@ class RedisLease:
         self.priority = priority
         self.seq = seq
         self.on_reclaim: Callable[[], None] | None = None
+        self.renewed_at = asyncio.get_running_loop().time()
         self.released = False
         self.reclaimed = False
         self._watchdog: asyncio.TimerHandle | None = None
@@ -175,6 +179,8 @@ class RedisBackend:
         """Connect, push the config, and start the grant listener and the renew loop."""
         self._spawn(self._listen(), keep=True)
         self._spawn(self._renew_loop(), keep=True)
+        if self._mode == "fail_closed":
+            self._spawn(self._expiry_loop(), keep=True)
         try:
             await self._redis.ping()
             await self.flush()
@@ -420,6 +426,15 @@ class RedisBackend:
             except RedisError:
                 continue
 
+    async def _expiry_loop(self) -> None:
+        """fail_closed: a slot whose lease could not be renewed for 90% of ``lease_ttl`` is given up
+        (its stream aborted) before Redis lets it expire and grants it elsewhere."""
+        while not self._closed:
+            await asyncio.sleep(self._renew_every / 2)
+            deadline = asyncio.get_running_loop().time() - 0.9 * self._lease_ttl_ms / 1000
+            for lease in [lease for lease in self._leases.values() if lease.renewed_at < deadline]:
+                lease.reclaim("its lease could not be renewed in redis before it expired")
+
     async def _renew_once(self) -> None:
         if not self.healthy:
             await self._redis.ping()
@@ -428,18 +443,21 @@ class RedisBackend:
             leases = [lease for lease in self._leases.values() if lease.provider == provider]
             waiters = [wid for wid, w in self._waiters.items()
                        if w.provider == provider and w.queued and not w.future.done()]
+            sent_at = asyncio.get_running_loop().time()
             result = await self._run("RENEW", provider, self._lease_ttl_ms, self._waiter_ttl_ms, self._channel,
                                      len(leases), *(lease.lease_id for lease in leases),
                                      *(lease.granted_at_ms for lease in leases), *waiters)
             missing, grants, lost, next_at, configured = result
+            for lease in leases:
+                lease.renewed_at = sent_at
             if not int(configured):
                 log.warning("provider=%s has no settings in redis (it lost its data); configuring it again",
                             provider)
                 self._spawn(self._configure_one(provider))
             for lease_id in map(_text, missing):
-                lease = self._leases.get(lease_id)
-                if lease is not None:
-                    lease.reclaim("its lease expired in redis")
+                gone = self._leases.get(lease_id)
+                if gone is not None:
+                    gone.reclaim("its lease expired in redis")
             for grant in map(_text, grants):
                 waiter_id, rest = grant.split(" ", 1)
                 self._resolve(waiter_id, rest, picked_up_for=provider)

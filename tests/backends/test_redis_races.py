@@ -1,8 +1,9 @@
-"""Redis-specific races: a renewal while an ENQUEUE is still in flight must not duplicate the waiter."""
+"""Redis-specific races and failures: in-flight scripts, restarts that lose every key, a hung server."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import pytest
@@ -253,3 +254,33 @@ async def test_after_redis_lost_its_data_another_replica_waits_for_the_slot_stil
     finally:
         for replica in (a, b):
             await replica.close()
+
+
+@pytest.mark.parametrize("mode", ["fail_closed", "local"])
+async def test_a_slot_that_cannot_be_renewed_is_given_up_before_it_expires_in_fail_closed(private_redis,
+                                                                                           mode) -> None:
+    """Redis hangs (here: SIGSTOP) longer than lease_ttl. With fail_closed the holder is told to stop
+    before Redis would hand its slot to another replica; with local it keeps its stream."""
+    backend = RedisBackend(private_redis.url, key_prefix="hang", lease_ttl=1.0, on_backend_error=mode,
+                           local_limit=1)
+    await backend.start()
+    try:
+        backend.configure({"p": LimiterSettings(limit=1)}, frozenset())
+        await backend.flush()
+        lease = await backend.acquire("p", prio())
+        told = asyncio.Event()
+        lease.on_reclaim = told.set
+        assert private_redis.process is not None
+        private_redis.process.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.3)
+            if mode == "fail_closed":
+                assert told.is_set() and lease.reclaimed
+                assert backend.in_flight() == 0
+            else:
+                assert not told.is_set() and not lease.reclaimed
+        finally:
+            private_redis.process.send_signal(signal.SIGCONT)
+        lease.release()
+    finally:
+        await backend.close()
