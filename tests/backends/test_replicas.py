@@ -256,3 +256,31 @@ async def test_redis_stopped_mid_run(start_upstream, client, replicas, private_r
     assert (status["limit"], status["configured_limit"]) == (4, 4), "the settings are back in the new redis"
     await wait_for(lambda: _zero(client, replica), what="nothing held after recovery")
     assert leases_in_redis(prefix, private_redis.url) == 0
+
+
+async def test_fail_closed_cuts_a_stream_whose_lease_redis_can_no_longer_renew(start_upstream, client, replicas,
+                                                                             private_redis, tmp_path) -> None:
+    """Redis hangs mid-stream. Before the lease could expire there (and its slot go to another
+    replica), fail_closed gives the slot up: the client's stream is cut and the upstream request closed."""
+    upstream = await start_upstream(chunks=40, delay_ms=100)
+    config = replica_config(tmp_path, upstream.url, "hang", limit=1, redis_url=private_redis.url,
+                            extra_backend=", on_backend_error: fail_closed")
+    (replica,) = await replicas(config)
+    assert private_redis.process is not None
+    async with client.post(f"{replica.url}/openai/chat/completions", json=chat(stream=True)) as resp:
+        assert resp.status == 200
+        await resp.content.readline()
+        private_redis.process.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()
+            cut_after = time.monotonic() - started
+        finally:
+            private_redis.process.send_signal(signal.SIGCONT)
+    assert cut_after < 2.0, "cut within 90% of lease_ttl (2 s) of the last renewal"
+    await wait_for(lambda: _upstream_idle(upstream), what="the upstream request closed")
+
+
+async def _upstream_idle(upstream) -> bool:
+    return upstream.fake.stats()["active"] == 0
