@@ -407,8 +407,8 @@ class RedisBackend:
 
     async def _listen(self) -> None:
         while not self._closed:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
                 await pubsub.subscribe(self._channel + self.replica)
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
@@ -417,6 +417,8 @@ class RedisBackend:
             except (RedisError, OSError) as exc:
                 self._mark_unhealthy(exc)
                 await asyncio.sleep(self._renew_every)
+            finally:
+                await pubsub.aclose()
 
     async def _renew_loop(self) -> None:
         while not self._closed:

@@ -71,14 +71,18 @@ class PrivateRedis:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                redis.Redis(port=self.port, socket_timeout=0.5).ping()
-                return
-            except redis.RedisError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        probe = redis.Redis(port=self.port, socket_timeout=0.5)
+        try:
+            while True:
+                try:
+                    probe.ping()
+                    return
+                except redis.RedisError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            probe.close()
 
     def stop(self) -> None:
         if self.process is not None:
