@@ -320,6 +320,8 @@ CONFIGURE = _PRELUDE + r"""
 local now = now_ms()
 if not configured() then
   redis.call('HSET', KEYS[1], 'created_at', now, 'settle_until', now + tonumber(ARGV[7]))
+elseif num('created_at', nil) == nil then
+  redis.call('HSET', KEYS[1], 'created_at', now)
 end
 local old_limit = redis.call('HGET', KEYS[1], 'configured_limit')
 if old_limit ~= ARGV[1] then
