@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import redis
@@ -19,6 +22,19 @@ pytestmark = pytest.mark.asyncio
 
 def prio() -> Priority:
     return Priority(prompt_started_at=time.time())
+
+
+@contextlib.asynccontextmanager
+async def serving(url: str, prefix: str, limit: int, **options: Any) -> AsyncIterator[RedisBackend]:
+    """A started Redis backend with one provider ``p`` of ``limit``, closed on exit."""
+    backend = RedisBackend(url, key_prefix=prefix, **options)
+    await backend.start()
+    try:
+        backend.configure({"p": LimiterSettings(limit=limit)}, frozenset())
+        await backend.flush()
+        yield backend
+    finally:
+        await backend.close()
 
 
 @pytest.fixture
@@ -112,12 +128,8 @@ async def test_the_slot_a_waiter_holds_is_not_released_when_its_grant_is_picked_
 
 async def test_pooled_connections_survive_a_redis_restart(private_redis) -> None:
     """Every pooled connection is dead after a restart; the first command on each must still succeed."""
-    backend = RedisBackend(private_redis.url, key_prefix="restart", lease_ttl=30, on_backend_error="local",
-                           local_limit=1)
-    await backend.start()
-    try:
-        backend.configure({"p": LimiterSettings(limit=4)}, frozenset())
-        await backend.flush()
+    async with serving(private_redis.url, "restart", 4, lease_ttl=30, on_backend_error="local",
+                       local_limit=1) as backend:
         leases = await asyncio.gather(*(backend.acquire("p", prio()) for _ in range(4)))
         pooled = len(backend._redis.connection_pool._available_connections)
         assert pooled >= 2, "several pooled connections, all of them about to go stale"
@@ -135,17 +147,11 @@ async def test_pooled_connections_survive_a_redis_restart(private_redis) -> None
         await backend.refresh()
         assert backend.provider_status("p").in_flight == 1
         lease.release()
-    finally:
-        await backend.close()
 
 
 async def test_status_in_local_mode_shows_the_local_limiter(private_redis) -> None:
-    backend = RedisBackend(private_redis.url, key_prefix="outage", lease_ttl=30, on_backend_error="local",
-                           local_limit=1)
-    await backend.start()
-    try:
-        backend.configure({"p": LimiterSettings(limit=4)}, frozenset())
-        await backend.flush()
+    async with serving(private_redis.url, "outage", 4, lease_ttl=30, on_backend_error="local",
+                       local_limit=1) as backend:
         await backend.refresh()
         assert backend.provider_status("p").limit == 4
         private_redis.stop()
@@ -156,8 +162,6 @@ async def test_status_in_local_mode_shows_the_local_limiter(private_redis) -> No
         assert (status.limit, status.in_flight) == (1, 1), "this replica's own limiter while Redis is away"
         lease.release()
         assert backend.provider_status("p").in_flight == 0
-    finally:
-        await backend.close()
 
 
 async def _granted_within(backend: RedisBackend, count: int, wait: float) -> int:
@@ -177,11 +181,7 @@ async def _granted_within(backend: RedisBackend, count: int, wait: float) -> int
 async def test_a_redis_that_restarts_empty_keeps_the_limit(private_redis, held) -> None:
     """Redis restarted without its data (no persistence, a flush, a failover): the replicas put the
     limit and the slots they hold back, instead of granting without a limit."""
-    backend = RedisBackend(private_redis.url, key_prefix="wipe", lease_ttl=1.5)
-    await backend.start()
-    try:
-        backend.configure({"p": LimiterSettings(limit=1)}, frozenset())
-        await backend.flush()
+    async with serving(private_redis.url, "wipe", 1, lease_ttl=1.5) as backend:
         first = await backend.acquire("p", prio())
         if not held:
             first.release()
@@ -199,8 +199,6 @@ async def test_a_redis_that_restarts_empty_keeps_the_limit(private_redis, held) 
             await backend.flush()
             lease = await asyncio.wait_for(backend.acquire("p", prio()), 5)
             lease.release()
-    finally:
-        await backend.close()
 
 
 async def _stats(backend: RedisBackend):
@@ -209,11 +207,7 @@ async def _stats(backend: RedisBackend):
 
 
 async def test_lease_ids_never_collide_after_redis_lost_its_data(private_redis) -> None:
-    backend = RedisBackend(private_redis.url, key_prefix="ids", lease_ttl=1.5)
-    await backend.start()
-    try:
-        backend.configure({"p": LimiterSettings(limit=3)}, frozenset())
-        await backend.flush()
+    async with serving(private_redis.url, "ids", 3, lease_ttl=1.5) as backend:
         before = [await backend.acquire("p", prio()) for _ in range(2)]
         private_redis.stop()
         private_redis.start()
@@ -227,20 +221,13 @@ async def test_lease_ids_never_collide_after_redis_lost_its_data(private_redis) 
             lease.release()
         await backend.flush()
         assert (await _stats(backend)).in_flight == 0
-    finally:
-        await backend.close()
 
 
 async def test_after_redis_lost_its_data_another_replica_waits_for_the_slot_still_held(private_redis) -> None:
     """Replica A holds the only slot when Redis restarts empty; replica B asks right after. B must
     not be granted until A releases: A's next renewal puts its lease back within the settle time."""
-    a = RedisBackend(private_redis.url, key_prefix="two", lease_ttl=1.5)
-    b = RedisBackend(private_redis.url, key_prefix="two", lease_ttl=1.5)
-    for replica in (a, b):
-        await replica.start()
-        replica.configure({"p": LimiterSettings(limit=1)}, frozenset())
-        await replica.flush()
-    try:
+    async with serving(private_redis.url, "two", 1, lease_ttl=1.5) as a, \
+            serving(private_redis.url, "two", 1, lease_ttl=1.5) as b:
         held = await a.acquire("p", prio())
         private_redis.stop()
         private_redis.start()
@@ -251,9 +238,6 @@ async def test_after_redis_lost_its_data_another_replica_waits_for_the_slot_stil
         held.release()
         lease = await asyncio.wait_for(waiting, 5)
         lease.release()
-    finally:
-        for replica in (a, b):
-            await replica.close()
 
 
 @pytest.mark.parametrize("mode", ["fail_closed", "local"])
@@ -261,12 +245,8 @@ async def test_a_slot_that_cannot_be_renewed_is_given_up_before_it_expires_in_fa
                                                                                            mode) -> None:
     """Redis hangs (here: SIGSTOP) longer than lease_ttl. With fail_closed the holder is told to stop
     before Redis would hand its slot to another replica; with local it keeps its stream."""
-    backend = RedisBackend(private_redis.url, key_prefix="hang", lease_ttl=1.0, on_backend_error=mode,
-                           local_limit=1)
-    await backend.start()
-    try:
-        backend.configure({"p": LimiterSettings(limit=1)}, frozenset())
-        await backend.flush()
+    async with serving(private_redis.url, "hang", 1, lease_ttl=1.0, on_backend_error=mode,
+                       local_limit=1) as backend:
         lease = await backend.acquire("p", prio())
         told = asyncio.Event()
         lease.on_reclaim = told.set
@@ -282,5 +262,3 @@ async def test_a_slot_that_cannot_be_renewed_is_given_up_before_it_expires_in_fa
         finally:
             private_redis.process.send_signal(signal.SIGCONT)
         lease.release()
-    finally:
-        await backend.close()
