@@ -255,16 +255,26 @@ class RedisBackend:
         self.set_starred(starred)
 
     async def _configure_one(self, provider: str) -> None:
-        """Push one provider's settings. From the second time on, a Redis found without them has lost its
-        data, so grants wait two renew rounds: long enough for every replica to put back the leases it holds."""
+        """Push one provider's settings. A Redis found without them has lost its data if this replica
+        configured it before, or if other replicas are listening for grants: then grants wait two renew
+        rounds, long enough for every replica to put back the leases it holds. A new deployment does not."""
         settings = self._settings[provider]
         recovery_ms = int((settings.recovery_after or 0) * 1000)
-        settle_ms = int(2 * self._renew_every * 1000) if provider in self._configured else 0
+        others = provider in self._configured or await self._other_replicas_listening()
+        settle_ms = int(2 * self._renew_every * 1000) if others else 0
         done = await self._guarded("CONFIGURE", provider, _limit_arg(settings.limit),
                                    int(settings.release_cooldown * 1000), int(settings.default_pause * 1000),
                                    recovery_ms, self._lease_ttl_ms, self._channel, settle_ms)
         if done is not None:
             self._configured.add(provider)
+
+    async def _other_replicas_listening(self) -> bool:
+        try:
+            channels = await self._redis.pubsub_channels(f"{self._channel}*")
+        except RedisError:
+            return True
+        own = (self._channel + self.replica).encode()
+        return any(channel != own for channel in channels)
 
     async def _guarded(self, name: str, provider: str, *args: Any) -> Any:
         try:

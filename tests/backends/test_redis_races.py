@@ -15,7 +15,7 @@ import redis
 from proxy.backends.redis import RedisBackend, _Waiter
 from proxy.limiter import LimiterSettings, Priority
 
-from .conftest import REDIS_URL, require_redis
+from .conftest import REDIS_URL, delete_prefix, require_redis
 
 pytestmark = pytest.mark.asyncio
 
@@ -261,4 +261,27 @@ async def test_a_slot_that_cannot_be_renewed_is_given_up_before_it_expires_in_fa
                 assert not told.is_set() and not lease.reclaimed
         finally:
             private_redis.process.send_signal(signal.SIGCONT)
+        lease.release()
+
+
+async def test_a_replica_starting_just_after_redis_lost_its_data_waits_for_the_slots_others_hold(
+        private_redis) -> None:
+    """Redis loses its data and a new replica starts before the running one noticed: the newcomer finds
+    no settings, but another replica is listening for grants, so it settles too instead of granting
+    past the slot that replica still holds."""
+    async with serving(private_redis.url, "fresh", 1, lease_ttl=30) as running:
+        held = await running.acquire("p", prio())
+        delete_prefix(private_redis.url, "fresh")
+        async with serving(private_redis.url, "fresh", 1, lease_ttl=30) as newcomer:
+            waiting = asyncio.create_task(newcomer.acquire("p", prio()))
+            await asyncio.sleep(1.5)
+            assert not waiting.done(), "the new replica was granted a slot another replica still holds"
+            held.release()
+            lease = await asyncio.wait_for(waiting, 5)
+            lease.release()
+
+
+async def test_a_new_deployment_grants_at_once(private_redis) -> None:
+    async with serving(private_redis.url, "new", 1, lease_ttl=30) as backend:
+        lease = await asyncio.wait_for(backend.acquire("p", prio()), 0.5)
         lease.release()
