@@ -640,8 +640,9 @@ class RedisBackend:
 def _reconnect_once() -> Retry:
     """After Redis restarts, every pooled connection is dead: each one's first command fails
     with a ConnectionError before the new server ever saw it. One immediate retry on a fresh
-    connection makes that invisible. Every script is idempotent (ENQUEUE per waiter id, RELEASE
-    and CANCEL per lease, BACKOFF within its pause), so a retry never counts anything twice."""
+    connection makes that invisible. Should a reply be lost after the script ran, running it again
+    is safe: ENQUEUE is idempotent per waiter id, RELEASE and CANCEL per lease, and a repeated
+    BACKOFF falls in the same pause (no second reduction); at worst a counter counts it twice."""
     return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
 
 
