@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -53,6 +53,7 @@ UNTYPED_BODY: web.ResponseKey[bool] = web.ResponseKey("slotproxy_untyped_body", 
 _MAX_ERROR_BODY = 1 << 20
 _ONE_WRITE_MAX = 64 * 1024
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
+_R = TypeVar("_R", bound=web.StreamResponse)
 
 
 def error_response(error: ProxyError, *, queue_ms: int | None = None) -> web.Response:
@@ -275,21 +276,18 @@ class Exchange:
         self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, prefix: bytes = b""
     ) -> web.StreamResponse:
         length = upstream.content_length
+        event_stream = _is_event_stream(upstream)
         if not prefix and length is not None and length <= _ONE_WRITE_MAX and self.request.method != "HEAD" \
-                and not _is_event_stream(upstream):
+                and not event_stream:
             return await self._send_whole(upstream, await upstream.read())
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        response.headers.extend(forward_response_headers(upstream.headers))
-        if "Content-Type" not in upstream.headers:
-            response[UNTYPED_BODY] = True
-        if upstream.content_length is not None:
-            response.content_length = upstream.content_length
-        response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
-        self.response = response
+        response = self._answer(web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                                   headers=forward_response_headers(upstream.headers)), upstream)
+        if length is not None:
+            response.content_length = length
         await _to_client(response.prepare(self.request))
         if prefix:
             await _to_client(response.write(prefix))
-        scanner = StreamErrorScanner() if _is_event_stream(upstream) else None
+        scanner = StreamErrorScanner() if event_stream else None
         # Cancellation point: the client may leave at any await below; the handler
         # is cancelled and the caller's finally releases the slot.
         async for chunk in upstream.content.iter_any():
@@ -298,24 +296,27 @@ class Exchange:
                 if backoff is not None:
                     self._report(backoff, lease)
                     scanner = None
-            try:
+            try:  # _to_client's job, written out: no extra coroutine per chunk
                 await response.write(chunk)
             except ConnectionError as exc:
                 raise _ClientGone from exc
         await _to_client(response.write_eof())
         return response
 
-
     async def _send_whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.StreamResponse:
         """A small fixed-length answer: headers and body leave in one write, still before the slot is released."""
-        response = web.Response(status=upstream.status, reason=upstream.reason, body=body,
-                                headers=forward_response_headers(upstream.headers))
+        response = self._answer(web.Response(status=upstream.status, reason=upstream.reason, body=body,
+                                             headers=forward_response_headers(upstream.headers)), upstream)
+        await _to_client(response.prepare(self.request))
+        await _to_client(response.write_eof())
+        return response
+
+    def _answer(self, response: _R, upstream: aiohttp.ClientResponse) -> _R:
+        """The relayed answer to the client, marked as this exchange's: queue header, untyped body noted."""
         if "Content-Type" not in upstream.headers:
             response[UNTYPED_BODY] = True
         response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
         self.response = response
-        await _to_client(response.prepare(self.request))
-        await _to_client(response.write_eof())
         return response
 
 
