@@ -69,15 +69,19 @@ local function recover(now)
   end
 end
 
+-- Take a waiter out: its queue entry, its info and its heartbeat (a no-op for one already gone).
+local function forget_waiter(id)
+  local info = redis.call('HGET', KEYS[5], id)
+  if info then redis.call('ZREM', KEYS[4], cjson.decode(info).m) end
+  redis.call('HDEL', KEYS[5], id)
+  redis.call('ZREM', KEYS[6], id)
+end
+
 local function cleanup(now)
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  local dead = redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)
-  for _, id in ipairs(dead) do
-    local info = redis.call('HGET', KEYS[5], id)
-    if info then redis.call('ZREM', KEYS[4], cjson.decode(info).m) end
-    redis.call('HDEL', KEYS[5], id)
-    redis.call('ZREM', KEYS[6], id)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)) do
+    forget_waiter(id)
   end
   recover(now)
 end
@@ -179,9 +183,7 @@ if g then
   return {1, g, seq}
 end
 if redis.call('ZCARD', KEYS[4]) > tonumber(ARGV[10]) then
-  redis.call('ZREM', KEYS[4], member)
-  redis.call('HDEL', KEYS[5], ARGV[1])
-  redis.call('ZREM', KEYS[6], ARGV[1])
+  forget_waiter(ARGV[1])
   redis.call('HINCRBY', KEYS[1], 'queue_full', 1)
   return {-1, '0', seq}
 end
@@ -214,12 +216,7 @@ CANCEL = _PRELUDE + r"""
 -- ARGV: waiter id, lease_ttl, channel, keep ('1': the waiter holds its lease under this id; leave it).
 -- A waiter granted in the same instant hands its lease back.
 local now = now_ms()
-local info = redis.call('HGET', KEYS[5], ARGV[1])
-if info then
-  redis.call('ZREM', KEYS[4], cjson.decode(info).m)
-  redis.call('HDEL', KEYS[5], ARGV[1])
-  redis.call('ZREM', KEYS[6], ARGV[1])
-end
+forget_waiter(ARGV[1])
 local g = redis.call('HGET', KEYS[7], ARGV[1])
 if g then
   redis.call('HDEL', KEYS[7], ARGV[1])
