@@ -145,7 +145,6 @@ class RedisBackend:
         self.clock: Clock = clock or LoopClock()
         self.on_change: Callable[[], None] | None = None
         self.replica = uuid.uuid4().hex[:12]
-        self._url = url
         self._prefix = key_prefix
         self._lease_ttl_ms = int(lease_ttl * 1000)
         self._waiter_ttl_ms = max(3000, self._lease_ttl_ms)
@@ -168,7 +167,6 @@ class RedisBackend:
         self._snapshot: dict[str, ProviderStatus] = {}
         self._reclaims: dict[str, int] = {}
         self._local = MemoryBackend(self.clock)
-        self._dispatch_at: asyncio.TimerHandle | None = None
         self.healthy = True
         self.error: str | None = None
         self._closed = False
@@ -383,12 +381,13 @@ class RedisBackend:
         slot this waiter already holds (a lease id is its waiter's id), granted again
         by a Redis that lost its data: that grant is the same slot.
         """
-        if grant.split(" ")[0] in self._leases:
+        lease_id = grant.split(" ")[0]
+        if lease_id in self._leases:
             return
         waiter = self._waiters.get(waiter_id)
         if waiter is None or waiter.future.done():
             if picked_up_for is not None:
-                self._spawn(self._guarded("RELEASE", picked_up_for, grant.split(" ")[0], waiter_id,
+                self._spawn(self._guarded("RELEASE", picked_up_for, lease_id, waiter_id,
                                           self._lease_ttl_ms, self._channel))
             return
         waiter.future.set_result(self._adopt(waiter_id, waiter, grant))
