@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["cancel_and_wait"]
+__all__ = ["cancel_and_wait", "result_if_any"]
+
+_T = TypeVar("_T")
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
@@ -16,3 +18,12 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+def result_if_any(future: asyncio.Future[_T]) -> _T | None:
+    """The value a future was resolved with, or None if it is pending, cancelled or failed.
+
+    A waiter that leaves may have been granted in the same loop turn: this finds that grant."""
+    if future.done() and not future.cancelled() and future.exception() is None:
+        return future.result()
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 
+from ..aio import result_if_any
 from ..errors import ProxyError, UnknownProvider
 from ..limiter import (
     Clock,
@@ -80,7 +81,6 @@ class MemoryBackend:
     def has_provider(self, name: str) -> bool:
         return name in self._limiters
 
-
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
         limiter = self.limiter(provider)
         lease = limiter.try_acquire(priority, seq)
@@ -93,9 +93,9 @@ class MemoryBackend:
         except asyncio.CancelledError:
             # Cancellation point: the client left while queued. The grant may have
             # landed in the same loop turn; then the slot is handed straight back.
-            future = parked.future
-            if future.done() and not future.cancelled() and future.exception() is None:
-                future.result().release()
+            granted = result_if_any(parked.future)
+            if granted is not None:
+                granted.release()
             else:
                 limiter.cancel(waiter)
             raise

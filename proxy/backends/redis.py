@@ -33,6 +33,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
+from ..aio import result_if_any
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownProvider
 from ..limiter import (
     Clock,
@@ -283,7 +284,6 @@ class RedisBackend:
     def has_provider(self, name: str) -> bool:
         return name in self._settings
 
-
     # ----- acquire ---------------------------------------------------------------
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
@@ -312,12 +312,12 @@ class RedisBackend:
 
     def _abandon(self, waiter_id: str, waiter: _Waiter) -> None:
         """The caller left (cancel, timeout, shutdown): leave the queue, or hand back a grant it never took."""
-        future = waiter.future
-        if future.done() and not future.cancelled() and future.exception() is None:
-            future.result().release()
+        granted = result_if_any(waiter.future)
+        if granted is not None:
+            granted.release()
             return
-        if not future.done():
-            future.cancel()
+        if not waiter.future.done():
+            waiter.future.cancel()
         self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel, "0"))
 
     async def _wait_for_grant(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings,
