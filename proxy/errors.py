@@ -116,11 +116,10 @@ class UpstreamTimeout(ProxyError):
     status, code = 504, "upstream_timeout"
 
 
-class AdminError(SlotproxyError):
+class AdminError(ProxyError):
     """A bad admin API request; ``status`` is the HTTP status to answer with."""
 
     def __init__(self, message: str, *, status: int = 400, code: str = "bad_request") -> None:
         super().__init__(message)
-        self.message = message
         self.status = status
         self.code = code

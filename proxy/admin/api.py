@@ -16,7 +16,7 @@ from ..config.model import MAX_LIMIT
 from ..errors import AdminError
 from ..headers import valid_label
 from ..limiter import validate_limit
-from ..relay import STATE
+from ..relay import STATE, error_response
 
 __all__ = ["add_routes"]
 
@@ -26,11 +26,6 @@ T = TypeVar("T")
 
 MAX_COOLDOWN_MS = 3_600_000
 _MAX_BODY = 4096
-
-
-def _error(exc: AdminError) -> web.Response:
-    body = {"error": {"message": exc.message, "type": "slotproxy_error", "code": exc.code}}
-    return web.json_response(body, status=exc.status)
 
 
 def authorize(request: web.Request) -> None:
@@ -107,7 +102,7 @@ async def _provider_write(
         provider = _provider(request)
         value = parse(await _json_object(request))
     except AdminError as exc:
-        return _error(exc)
+        return error_response(exc)
     what = apply(provider, value)
     log.info("provider=%s %s via the admin API", provider, what)
     return await _provider_answer(request, provider)
@@ -144,7 +139,7 @@ async def star(request: web.Request) -> web.Response:
         if not starred and workspace not in state.backend.starred():
             raise AdminError(f"workspace '{workspace}' is not starred", status=404, code="unknown_provider")
     except AdminError as exc:
-        return _error(exc)
+        return error_response(exc)
     stars = state.set_star(workspace, starred)
     await state.backend.flush()
     return web.json_response({"workspace": workspace, "starred": starred, "starred_workspaces": sorted(stars)})
