@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from aiohttp import web
@@ -22,9 +23,14 @@ async def status(request: web.Request) -> web.Response:
 _DASHBOARD = Path(__file__).with_name("dashboard.html")
 
 
+@functools.cache
+def _dashboard_html() -> bytes:
+    return _DASHBOARD.read_bytes()
+
+
 async def dashboard(request: web.Request) -> web.Response:
     return web.Response(
-        body=_DASHBOARD.read_bytes(),
+        body=_dashboard_html(),
         content_type="text/html",
         charset="utf-8",
         headers={"Cache-Control": "no-store", "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'"},
@@ -55,9 +61,15 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+async def _to_dashboard(request: web.Request) -> web.Response:
+    """``/_slotproxy`` without its slash: send the browser to the dashboard, as a web server would."""
+    raise web.HTTPMovedPermanently("/_slotproxy/")
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/_slotproxy/status", status)
     app.router.add_get("/_slotproxy/", dashboard)
+    app.router.add_get("/_slotproxy", _to_dashboard)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -63,3 +63,14 @@ async def test_health_and_readiness(start_upstream, start_proxy, client) -> None
         assert resp.status == 503
         assert resp.headers["Retry-After"] == "1"
         assert (await resp.json())["error"]["code"] == "shutting_down"
+
+
+async def test_the_dashboard_path_without_its_slash_redirects_to_it(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=1))
+    async with client.get(f"{proxy.url}/_slotproxy", allow_redirects=False) as resp:
+        assert resp.status == 301
+        assert resp.headers["Location"] == "/_slotproxy/"
+    async with client.get(f"{proxy.url}/_slotproxy") as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/html"
