@@ -17,12 +17,29 @@ from aiohttp.http import SERVER_SOFTWARE
 from .access import ClientKeys
 from .admin import routes as admin_routes
 from .admin.metrics import Metrics
+from .admin.throttle import AuthFailures
 from .backends import Backend, MemoryBackend
 from .config import Config, ProviderSettings
-from .errors import BadRequest, BodyTooLarge, ProxyError, UnknownProvider
+from .connections import ConnectionGuard, ConnectionSettings, GuardedRunner
+from .errors import (
+    AdminError,
+    BadRequest,
+    BodyTooLarge,
+    Forbidden,
+    ProxyError,
+    UnknownProvider,
+)
+from .guard import BrowserGuard, check_path
 from .headers import PriorityHeaders
 from .limiter import LimiterSettings, SlotLease
-from .relay import PROVIDER, STATE, UNTYPED_BODY, error_response, proxy_handler
+from .relay import (
+    ALLOWED_ORIGIN,
+    PROVIDER,
+    STATE,
+    UNTYPED_BODY,
+    error_response,
+    proxy_handler,
+)
 from .state import StateStore
 from .usage import UsagePoller
 
@@ -31,6 +48,8 @@ __all__ = ["ProxyState", "build_app", "limiter_settings", "start_server"]
 log = logging.getLogger("slotproxy")
 
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+MAX_RUNTIME_STARS = 10_000
+"""Workspaces the admin API may star beyond the YAML's: each is kept in the state file."""
 
 
 def limiter_settings(settings: ProviderSettings) -> LimiterSettings:
@@ -64,12 +83,15 @@ class ProxyState:
         self._pollers: dict[str, UsagePoller] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._timeouts: dict[tuple[float, float], aiohttp.ClientTimeout] = {}
+        self.listen_host = config.server.host
+        self.connections = ConnectionGuard()
+        self.admin_failures = AuthFailures(time.monotonic)
         self.config = config
         restored = self.store.load()
         if restored is not None:
             overrides = restored.get("star_overrides") or {}
             if isinstance(overrides, dict):
-                self._star_overrides = {str(w): bool(v) for w, v in overrides.items()}
+                self._star_overrides = _kept_overrides(overrides, config)
         self.apply(config)
         if restored is not None:
             for name, entry in (restored.get("providers") or {}).items():
@@ -83,14 +105,20 @@ class ProxyState:
         providers = {name: config.provider(name) for name in config.provider_names()}
         self._auth = {name: _auth_header(settings) for name, settings in providers.items()}
         self.client_keys = ClientKeys.from_env(config.access.keys_env, os.environ)
-        for warning in config.warnings():
+        for warning in config.warnings(os.environ):
             log.warning("%s", warning)
         self.priority_headers = PriorityHeaders(
             workspace=config.headers.workspace,
             starred=config.headers.starred,
             prompt_started_at=config.headers.prompt_started_at,
             conversation=config.headers.conversation,
+            max_prompt_age=config.headers.max_prompt_age,
         )
+        server = config.server
+        self.browser = BrowserGuard.for_listener(self.listen_host, server.allowed_hosts, server.allowed_origins)
+        self.connections.configure(ConnectionSettings(
+            header_timeout=server.header_timeout, write_timeout=server.write_timeout,
+            max_connections=server.max_connections))
         self.strip_headers = self.priority_headers.names()
         self._forget_overrides_changed_in_yaml(config)
         self.backend.configure(
@@ -133,8 +161,25 @@ class ProxyState:
         for workspace in before ^ after:
             self._star_overrides.pop(workspace, None)
 
+    def listen_on(self, host: str) -> None:
+        """The address the server is bound to decides the Host rule (loopback or not)."""
+        self.listen_host = host
+        server = self.config.server
+        self.browser = BrowserGuard.for_listener(host, server.allowed_hosts, server.allowed_origins)
+
     def set_star(self, workspace: str, starred: bool) -> frozenset[str]:
-        self._star_overrides[workspace] = starred
+        """Star or unstar at runtime. Unstarring a workspace the YAML does not star forgets it,
+        so the state file holds only what differs from the YAML."""
+        if starred:
+            runtime = sum(1 for value in self._star_overrides.values() if value)
+            if not self._star_overrides.get(workspace) and runtime >= MAX_RUNTIME_STARS:
+                raise AdminError(f"at most {MAX_RUNTIME_STARS} workspaces can be starred through the admin API; "
+                                 "unstar some, or star them in the YAML (workspaces.starred)")
+            self._star_overrides[workspace] = True
+        elif workspace in self.config.workspaces.starred:
+            self._star_overrides[workspace] = False
+        else:
+            self._star_overrides.pop(workspace, None)
         stars = self._effective_stars(self.config)
         self.backend.set_starred(stars)
         log.info("workspace=%s %s via the admin API", workspace, "starred" if starred else "unstarred")
@@ -254,6 +299,22 @@ def make_backend(config: Config) -> Backend:
     return MemoryBackend()
 
 
+def _kept_overrides(overrides: dict[Any, Any], config: Config) -> dict[str, bool]:
+    """Star overrides from a state file, without unstars of workspaces the YAML does not star."""
+    kept: dict[str, bool] = {}
+    runtime = 0
+    for workspace, starred in overrides.items():
+        name, value = str(workspace), bool(starred)
+        if not value and name not in config.workspaces.starred:
+            continue
+        if value:
+            if runtime >= MAX_RUNTIME_STARS:
+                continue
+            runtime += 1
+        kept[name] = value
+    return kept
+
+
 def _state_path(config: Config, config_path: str | None) -> Path | None:
     """A relative state path is taken relative to the config file, like nginx's prefix."""
     if config.state.path is None:
@@ -279,14 +340,25 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _ERROR_CODES = {404: UnknownProvider, 400: BadRequest}
 
 
+_REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
+_PREFLIGHT_METHODS = "GET, HEAD, POST, PUT, DELETE"
+_MAX_REFLECTED = 1024
+
+
 @web.middleware
 async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Refuse what a proxy must never do, render proxy errors, and count answers."""
-    if request.method == "CONNECT":
-        return _method_not_allowed("CONNECT is not supported: slotproxy is not a forward proxy")
-    if not request.raw_path.startswith("/"):
-        return error_response(BadRequest("absolute-form request targets are refused: slotproxy is not an open proxy"))
+    """Refuse what a proxy beside a browser must never serve, render proxy errors, and count answers.
+
+    The order matters: who is asking (Host, then Origin) is settled before the
+    method, the path or any route is looked at, so a refused page learns nothing.
+    """
     state = request.app[STATE]
+    try:
+        refusal = _refusal(request, state)
+    except ProxyError as exc:
+        return error_response(exc)
+    if refusal is not None:
+        return refusal
     try:
         response = await handler(request)
     except ProxyError as exc:
@@ -301,6 +373,48 @@ async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         raise
     _count(request, state, str(response.status))
     return response
+
+
+def _refusal(request: web.Request, state: ProxyState) -> web.StreamResponse | None:
+    headers = request.headers
+    host = headers.get("Host")
+    if not state.browser.host_allowed(host):
+        shown = (host or "")[:100]
+        raise Forbidden(f"Host {shown!r} is not a name this proxy answers to: a web page may be trying "
+                        "DNS rebinding. To allow it (a Kubernetes Service name, say), add it to "
+                        "server.allowed_hosts")
+    raw_path = request.raw_path
+    refusal = state.browser.refusal(request.method, raw_path.partition("?")[0], headers)
+    if refusal is not None:
+        raise Forbidden(refusal)
+    origin = headers.get("Origin")
+    if origin is not None:
+        request[ALLOWED_ORIGIN] = origin
+    method = request.method
+    if method in _REFUSED_METHODS:
+        return _method_not_allowed(f"{method} is not supported: slotproxy is not a forward proxy")
+    if not raw_path.startswith("/"):
+        raise BadRequest("absolute-form request targets are refused: slotproxy is not an open proxy")
+    check_path(raw_path)
+    if method == "OPTIONS":
+        return _preflight(request, origin)
+    return None
+
+
+def _preflight(request: web.Request, origin: str | None) -> web.Response:
+    """OPTIONS is answered here, never forwarded (upstream would see the provider key)."""
+    if origin is None:
+        return web.Response(status=204, headers={"Allow": _PREFLIGHT_METHODS + ", OPTIONS"})
+    headers = {
+        "Access-Control-Allow-Origin": origin,
+        "Access-Control-Allow-Methods": _PREFLIGHT_METHODS,
+        "Access-Control-Max-Age": "600",
+        "Vary": "Origin",
+    }
+    asked = request.headers.get("Access-Control-Request-Headers")
+    if asked:
+        headers["Access-Control-Allow-Headers"] = asked[:_MAX_REFLECTED]
+    return web.Response(status=204, headers=headers)
 
 
 def _count(request: web.Request, state: ProxyState, status: str) -> None:
@@ -327,12 +441,18 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     return None
 
 
-async def _drop_invented_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """aiohttp names itself in a Server header, and types an untyped body as octet-stream; a relay adds neither."""
-    if response.headers.get("Server") == SERVER_SOFTWARE:
-        del response.headers["Server"]
-    if response.get(UNTYPED_BODY) and response.headers.get("Content-Type") == "application/octet-stream":
-        del response.headers["Content-Type"]
+async def _finish_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """aiohttp names itself in a Server header, and types an untyped body as octet-stream; a relay adds
+    neither. A browser origin the config allows may read the answer."""
+    headers = response.headers
+    if headers.get("Server") == SERVER_SOFTWARE:
+        del headers["Server"]
+    if response.get(UNTYPED_BODY) and headers.get("Content-Type") == "application/octet-stream":
+        del headers["Content-Type"]
+    origin = request.get(ALLOWED_ORIGIN)
+    if origin is not None and "Access-Control-Allow-Origin" not in headers:
+        headers["Access-Control-Allow-Origin"] = origin
+        headers.add("Vary", "Origin")
 
 
 def build_app(state: ProxyState) -> web.Application:
@@ -341,7 +461,7 @@ def build_app(state: ProxyState) -> web.Application:
     admin_routes.add_routes(app)
     app.router.add_route("*", "/{provider}", proxy_handler, expect_handler=_expect_continue)
     app.router.add_route("*", "/{provider}/{rest:[\\s\\S]*}", proxy_handler, expect_handler=_expect_continue)
-    app.on_response_prepare.append(_drop_invented_headers)
+    app.on_response_prepare.append(_finish_headers)
 
     async def close_state(_: web.Application) -> None:
         await state.close()
@@ -353,7 +473,8 @@ def build_app(state: ProxyState) -> web.Application:
 async def start_server(state: ProxyState, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Start serving; returns the runner and the bound port (port 0 picks a free one)."""
     await state.start()
-    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+    state.listen_on(host)
+    runner = GuardedRunner(build_app(state), state.connections, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

@@ -93,7 +93,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     path = find_config(args.config)
     config = _load(path)
     print(f"# {path}: valid")
-    for warning in config.warnings():
+    for warning in config.warnings(os.environ):
         print(f"warning: {warning}", file=sys.stderr)
     print(yaml.safe_dump(config.masked(), sort_keys=False, allow_unicode=True), end="")
     return 0

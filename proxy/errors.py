@@ -14,6 +14,9 @@
         ├── UnknownProvider        404 unknown_provider
         ├── BodyTooLarge           413 body_too_large
         ├── BadRequest             400 bad_request
+        ├── Forbidden              401/403 forbidden: a missing or wrong key, a refused Host or Origin
+        ├── RequestTimeout         408 request_timeout: the request body stalled past body_timeout
+        ├── TooManyConnections     503 too_many_connections: at max_connections, every connection busy
         ├── UpstreamUnreachable    502 upstream_unreachable
         └── UpstreamTimeout        504 upstream_timeout
 
@@ -32,9 +35,11 @@ __all__ = [
     "ProxyError",
     "QueueFull",
     "QueueTimeout",
+    "RequestTimeout",
     "ShuttingDown",
     "SlotproxyError",
     "StateError",
+    "TooManyConnections",
     "UnknownProvider",
     "UpstreamTimeout",
     "UpstreamUnreachable",
@@ -108,6 +113,16 @@ class Forbidden(ProxyError):
         self.status = status
 
 
+class RequestTimeout(ProxyError):
+    """The client stopped sending its body; the connection is closed after this answer."""
+
+    status, code = 408, "request_timeout"
+
+
+class TooManyConnections(ProxyError):
+    status, code = 503, "too_many_connections"
+
+
 class UpstreamUnreachable(ProxyError):
     status, code = 502, "upstream_unreachable"
 
@@ -119,7 +134,8 @@ class UpstreamTimeout(ProxyError):
 class AdminError(ProxyError):
     """A bad admin API request; ``status`` is the HTTP status to answer with."""
 
-    def __init__(self, message: str, *, status: int = 400, code: str = "bad_request") -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, status: int = 400, code: str = "bad_request",
+                 retry_after: float | None = None) -> None:
+        super().__init__(message, retry_after=retry_after)
         self.status = status
         self.code = code

@@ -46,6 +46,8 @@ class PriorityHeaders:
     starred: str = "X-Workspace-Starred"
     prompt_started_at: str = "X-Prompt-Started-At"
     conversation: str = "X-Conversation-Id"
+    max_prompt_age: float = 86400.0
+    """An older prompt start counts as exactly this old, so no header puts a client ahead of every honest one."""
 
     def names(self) -> frozenset[str]:
         return frozenset(n.lower() for n in (self.workspace, self.starred, self.prompt_started_at, self.conversation))
@@ -111,7 +113,7 @@ def parse_priority(
     except ValueError:
         invalid.append("starred")
     try:
-        started = _prompt_started_at(headers.get(names.prompt_started_at), now)
+        started = max(_prompt_started_at(headers.get(names.prompt_started_at), now), now - names.max_prompt_age)
     except ValueError:
         invalid.append("prompt_started_at")
     try:
@@ -160,7 +162,15 @@ def check_header_bytes(incoming: Mapping[str, str], *, skip: frozenset[str]) -> 
             raise BadRequest(f"header {name[:64]} carries bytes that are not UTF-8; send it encoded")
 
 
-def forward_response_headers(incoming: Mapping[str, str]) -> list[tuple[str, str]]:
-    """Headers to relay to the client: everything but hop-by-hop (Content-Length is set separately)."""
+def forward_response_headers(incoming: Mapping[str, str], *, keep_cors: bool = False) -> list[tuple[str, str]]:
+    """Headers to relay to the client: everything but hop-by-hop (Content-Length is set separately).
+
+    ``Access-Control-*`` headers are relayed only when ``keep_cors``: the request came
+    from a browser origin the config allows. Otherwise an upstream's
+    ``Access-Control-Allow-Origin: *`` would let any page read the answer.
+    """
     drop = _NOT_RELAYED_DOWN | _connection_listed(incoming)
-    return [(name, value) for name, value in incoming.items() if name.lower() not in drop]
+    if keep_cors:
+        return [(name, value) for name, value in incoming.items() if name.lower() not in drop]
+    return [(name, value) for name, value in incoming.items()
+            if (lowered := name.lower()) not in drop and not lowered.startswith("access-control-")]

@@ -7,10 +7,11 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Callable
 
 from aiohttp.http_exceptions import HttpProcessingError
 
-__all__ = ["JsonFormatter", "QuietParserErrors", "mask_secrets", "setup_logging"]
+__all__ = ["JsonFormatter", "QuietParserErrors", "ThrottledLog", "mask_secrets", "setup_logging"]
 
 _SECRET = re.compile(
     r"(?i)(authorization|x-api-key|api[_-]?key|token|bearer)(\"?\s*[:=]?\s*\"?)(bearer\s+)?([A-Za-z0-9._~+/=-]{8,})"
@@ -22,6 +23,35 @@ def mask_secrets(text: str) -> str:
     """Mask anything that looks like a credential; a last line of defence, not the only one."""
     text = _SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{m.group(3) or ''}***", text)
     return _KEY_SHAPED.sub("***", text)
+
+
+class ThrottledLog:
+    """One log line per ``interval`` at most for an event an attacker could repeat at will.
+
+    Each call counts the event; a line is written when the last one is at least
+    ``interval`` old, and says how many events it stands for.
+    """
+
+    def __init__(self, logger: logging.Logger, level: int, message: str, *,
+                 interval: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger = logger
+        self._level = level
+        self._message = message
+        self._interval = interval
+        self._clock = clock
+        self._last: float | None = None
+        self._unreported = 0
+
+    def event(self, *args: object) -> bool:
+        """Count one event; log it (with the count) if the last line is old enough. True when logged."""
+        self._unreported += 1
+        now = self._clock()
+        if self._last is not None and now - self._last < self._interval:
+            return False
+        self._last = now
+        count, self._unreported = self._unreported, 0
+        self._logger.log(self._level, self._message + " (%d since the last report)", *args, count)
+        return True
 
 
 class _MaskingFormatter(logging.Formatter):

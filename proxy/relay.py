@@ -18,9 +18,9 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from .body import read_body
 from .errors import (
     BadRequest,
-    BodyTooLarge,
     ProxyError,
     QueueFull,
     QueueTimeout,
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .app import ProxyState
     from .config import ProviderSettings
 
-__all__ = ["PROVIDER", "QUEUE_MS_HEADER", "STATE", "UNTYPED_BODY", "error_response", "proxy_handler"]
+__all__ = ["ALLOWED_ORIGIN", "PROVIDER", "QUEUE_MS_HEADER", "STATE", "UNTYPED_BODY", "error_response", "proxy_handler"]
 
 log = logging.getLogger("slotproxy.relay")
 
@@ -50,6 +50,8 @@ QUEUE_MS_HEADER = "X-Slotproxy-Queue-Ms"
 STATE: web.AppKey[ProxyState] = web.AppKey("slotproxy")
 PROVIDER: web.RequestKey[str] = web.RequestKey("slotproxy_provider", str)
 UNTYPED_BODY: web.ResponseKey[bool] = web.ResponseKey("slotproxy_untyped_body", bool)
+ALLOWED_ORIGIN: web.RequestKey[str] = web.RequestKey("slotproxy_allowed_origin", str)
+"""Set on a request whose Origin header passed the origin rule; upstream CORS headers reach only those."""
 _MAX_ERROR_BODY = 1 << 20
 _ONE_WRITE_MAX = 64 * 1024
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
@@ -63,6 +65,8 @@ def error_response(error: ProxyError, *, queue_ms: int | None = None) -> web.Res
         response.headers["Retry-After"] = str(max(1, int(error.retry_after + 0.999)))
     if queue_ms is not None:
         response.headers[QUEUE_MS_HEADER] = str(queue_ms)
+    if error.status == 408:
+        response.force_close()
     return response
 
 
@@ -110,21 +114,6 @@ def _route(request: web.Request, state: ProxyState) -> tuple[str, ProviderSettin
     return provider, settings, URL(target, encoded=True)
 
 
-async def _read_body(request: web.Request, max_body: int) -> bytes:
-    """Read the whole request body before any slot is taken (a slow client holds none)."""
-    declared = request.content_length
-    if declared is not None and declared > max_body:
-        raise BodyTooLarge(f"request body of {declared} bytes is over server.max_body ({max_body} bytes)")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > max_body:
-            raise BodyTooLarge(f"request body is over server.max_body ({max_body} bytes)")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if state.shutting_down:
@@ -138,13 +127,18 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     provider, settings, url = _route(request, state)
     request[PROVIDER] = provider
     check_header_bytes(request.headers, skip=state.strip_headers)
-    body = await _read_body(request, state.config.server.max_body)
+    body = await read_body(request, state.config.server.max_body, state.config.server.body_timeout)
     priority, invalid = parse_priority(request.headers, state.priority_headers, time.time())
     for key in invalid:
         state.metrics.invalid_headers.labels(key).inc()
     state.request_started()
     try:
         return await Exchange(request, state, provider, settings, url, body, priority, consumed).run()
+    except asyncio.CancelledError:
+        if getattr(request.protocol, "write_timed_out", False):
+            log.warning("provider=%s client accepted no bytes for server.write_timeout; cut off, slot released "
+                        "(workspace=%s conversation=%s)", provider, priority.workspace, priority.conversation or "-")
+        raise
     finally:
         state.request_finished()
 
@@ -208,7 +202,7 @@ class Exchange:
                 # The watchdog's abort: cancels whatever this attempt awaits (connect,
                 # headers or the next chunk), surfacing as TimeoutError below.
                 lease.on_reclaim = lambda: deadline.reschedule(loop.time())
-                return await self._exchange(lease, retry_allowed)
+                return await self._exchange(lease, retry_allowed, deadline)
         except _ClientGone:
             log.debug("provider=%s client left mid-response", self.provider)
             return self.response or error_response(BadRequest("client disconnected"))
@@ -231,13 +225,18 @@ class Exchange:
             transport.close()
         return self.response
 
-    async def _exchange(self, lease: SlotLease | _NoSlot, retry_allowed: bool) -> web.StreamResponse:
+    async def _exchange(self, lease: SlotLease | _NoSlot, retry_allowed: bool,
+                        deadline: asyncio.Timeout) -> web.StreamResponse:
         session = self.state.session_for(self.settings)
         # Built after the grant: a queued request holds nothing it does not need yet.
         strip = self.state.strip_headers | self.consumed if self.consumed else self.state.strip_headers
         headers = forward_request_headers(self.request.headers, strip=strip,
                                           auth=self.state.provider_auth(self.settings))
         data = None if (not self.body and self.request.method in _NO_BODY_METHODS) else self.body
+        # idle_timeout bounds the wait for the final response headers too: aiohttp's
+        # read timeout restarts on every 1xx answer, so it alone does not.
+        if not lease.reclaimed:
+            deadline.reschedule(asyncio.get_running_loop().time() + self.settings.idle_timeout)
         async with session.request(
             self.request.method,
             self.url,
@@ -246,6 +245,8 @@ class Exchange:
             allow_redirects=False,
             timeout=self.state.client_timeout(self.settings),
         ) as upstream:
+            if not lease.reclaimed:  # a reclaim moved the deadline to now: keep it
+                deadline.reschedule(None)
             lease.headers_received()
             if upstream.status in self.settings.backoff_statuses:
                 return await self._relay_backoff(upstream, lease, retry_allowed)
@@ -281,7 +282,7 @@ class Exchange:
                 and not event_stream:
             return await self._send_whole(upstream, await upstream.read())
         response = self._answer(web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                                   headers=forward_response_headers(upstream.headers)), upstream)
+                                                   headers=self._response_headers(upstream)), upstream)
         if length is not None:
             response.content_length = length
         await _to_client(response.prepare(self.request))
@@ -306,10 +307,13 @@ class Exchange:
     async def _send_whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.StreamResponse:
         """A small fixed-length answer: headers and body leave in one write, still before the slot is released."""
         response = self._answer(web.Response(status=upstream.status, reason=upstream.reason, body=body,
-                                             headers=forward_response_headers(upstream.headers)), upstream)
+                                             headers=self._response_headers(upstream)), upstream)
         await _to_client(response.prepare(self.request))
         await _to_client(response.write_eof())
         return response
+
+    def _response_headers(self, upstream: aiohttp.ClientResponse) -> list[tuple[str, str]]:
+        return forward_response_headers(upstream.headers, keep_cors=ALLOWED_ORIGIN in self.request)
 
     def _answer(self, response: _R, upstream: aiohttp.ClientResponse) -> _R:
         """The relayed answer to the client, marked as this exchange's: queue header, untyped body noted."""

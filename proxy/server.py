@@ -14,6 +14,7 @@ from aiohttp import web
 from .aio import cancel_and_wait
 from .app import ProxyState, start_server
 from .config import Config, ConfigError, load_config
+from .connections import install_accept_error_log, raise_open_files_limit
 from .errors import ShuttingDown
 from .heap import HeapKeeper
 from .limiter import LoopClock
@@ -94,7 +95,17 @@ async def shutdown(state: ProxyState, runner: web.AppRunner) -> None:
     log.info("slotproxy stopped")
 
 
+def _raise_open_files_limit() -> None:
+    before, after = raise_open_files_limit()
+    if after > before:
+        log.info("open files limit raised from %d to %d (the hard limit)", before, after)
+    else:
+        log.info("open files limit: %d (the hard limit)", after)
+
+
 async def _serve(config: Config, path: str, host: str, port: int) -> int:
+    _raise_open_files_limit()
+    install_accept_error_log(asyncio.get_running_loop())
     state = ProxyState(config, config_path=path)
     runner, bound = await start_server(state, host, port)
     watcher = ConfigWatcher(state, path)
@@ -124,5 +135,8 @@ def serve(config: Config, path: str, host: str, port: int) -> int:
     try:
         import uvloop
     except ImportError:
+        uvloop = None
+    # Outside the except block: an error while serving must not carry "No module named 'uvloop'" as its context.
+    if uvloop is None:
         return asyncio.run(_serve(config, path, host, port))
     return uvloop.run(_serve(config, path, host, port))

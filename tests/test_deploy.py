@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from proxy.config import Config, parse_config
+from proxy.guard import BrowserGuard
 
 from .conftest import Proxy, free_port, provider_yaml
 
@@ -400,9 +401,11 @@ def test_sidecar_pod_wiring(sidecar: list[dict[str, Any]]) -> None:
     assert "/readyz" in probe_text(proxy["readinessProbe"]) and str(PORT) in probe_text(proxy["readinessProbe"])
     assert "/healthz" in probe_text(proxy["livenessProbe"]) and str(PORT) in probe_text(proxy["livenessProbe"])
     agent_env = env_of(_container(spec, "agent"))
+    guard = BrowserGuard.for_listener(host, config.server.allowed_hosts, config.server.allowed_origins)
     for variable, provider in (("OPENAI_BASE_URL", "openai"), ("ANTHROPIC_BASE_URL", "anthropic")):
         assert agent_env[variable] == f"http://127.0.0.1:{PORT}/{provider}"
         assert provider in config.provider_names()
+        assert guard.host_allowed(str(urlsplit(agent_env[variable]).netloc)), "the agent's Host must be served"
 
 
 async def test_sidecar_exec_probes_pass_on_a_live_proxy(sidecar: list[dict[str, Any]], live_proxy: Proxy) -> None:
@@ -429,6 +432,11 @@ def test_shared_deployment_service_and_redis(shared: list[dict[str, Any]]) -> No
     assert "secretKeyRef" in env_of(proxy)["SLOTPROXY_ADMIN_TOKEN"], "0.0.0.0 needs the admin token"
     assert proxy["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": PORT}
     assert proxy["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": PORT}
+    host = proxy["command"][proxy["command"].index("--host") + 1]
+    guard = BrowserGuard.for_listener(host, config.server.allowed_hosts, config.server.allowed_origins)
+    # The Service names agents use, and the Pod IP the kubelet's httpGet probes send as Host.
+    for client_host in ("slotproxy:8787", "slotproxy.agents.svc.cluster.local:8787", "10.1.2.3:8787"):
+        assert guard.host_allowed(client_host), client_host
     assert spec["terminationGracePeriodSeconds"] > config.server.shutdown_grace
     _check_state_dir_is_writable(spec, proxy, config)
 

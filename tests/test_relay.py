@@ -210,7 +210,7 @@ async def test_unroutable_paths_get_a_clear_error(start_upstream, start_proxy, p
     upstream = await start_upstream()
     proxy = await start_proxy(provider_yaml(upstream, limit=2))
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
     raw = (await reader.read()).decode()
     writer.close()
     assert raw.startswith(f"HTTP/1.1 {status}"), raw
@@ -230,7 +230,7 @@ async def test_never_an_open_proxy(start_upstream, start_proxy, request_line, st
     upstream = await start_upstream()
     proxy = await start_proxy(provider_yaml(upstream, limit=2))
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    writer.write(f"{request_line}\r\nHost: example.com\r\nConnection: close\r\n\r\n".encode())
+    writer.write(f"{request_line}\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
     raw = (await reader.read()).decode()
     writer.close()
     assert raw.startswith(f"HTTP/1.1 {status}"), raw

@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from ..body import read_body
 from ..config.model import MAX_LIMIT
-from ..errors import AdminError
+from ..errors import AdminError, BodyTooLarge
 from ..headers import valid_label
 from ..limiter import validate_limit
 from ..relay import STATE, error_response
@@ -26,28 +27,50 @@ T = TypeVar("T")
 
 MAX_COOLDOWN_MS = 3_600_000
 _MAX_BODY = 4096
+_MAX_DEPTH = 32
 
 
 def authorize(request: web.Request) -> None:
-    """Writes need ``Authorization: Bearer <token>`` when the admin token env var is set."""
+    """Writes need ``Authorization: Bearer <token>`` when the admin token env var is set.
+
+    Failures are logged at most once a second per client address; an address that
+    fails too often is answered 429 for the rest of its minute.
+    """
     state = request.app[STATE]
     token = os.environ.get(state.config.admin.token_env, "")
     if not token:
         return
+    address = request.remote or "unknown"
+    wait = state.admin_failures.blocked_for(address)
+    if wait is not None:
+        raise AdminError(f"too many failed admin authentications from {address}; retry in {math.ceil(wait)}s",
+                         status=429, code="rate_limited", retry_after=wait)
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
     if not header or scheme.lower() != "bearer" or not given:
+        _failed(request, address, "no token")
         raise AdminError(f"admin writes need 'Authorization: Bearer <token>' (the token is in ${state.config.admin.token_env})",
                          status=401, code="forbidden")
     if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"),
                                token.encode("utf-8", "surrogateescape")):
+        _failed(request, address, "wrong token")
         raise AdminError("the admin token is wrong", status=403, code="forbidden")
 
 
+def _failed(request: web.Request, address: str, why: str) -> None:
+    count = request.app[STATE].admin_failures.failed(address)
+    if count is not None:
+        log.warning("admin authentication failed from %s (%s): %d failure(s) since the last report",
+                    address, why, count)
+
+
 async def _json_object(request: web.Request) -> dict[str, Any]:
-    raw = await request.content.read(_MAX_BODY + 1)
-    if len(raw) > _MAX_BODY:
-        raise AdminError(f"body over {_MAX_BODY} bytes")
+    try:
+        raw = await read_body(request, _MAX_BODY, request.app[STATE].config.server.body_timeout)
+    except BodyTooLarge:
+        raise AdminError(f"body over {_MAX_BODY} bytes") from None
+    if _nesting_depth(raw, _MAX_DEPTH) > _MAX_DEPTH:
+        raise AdminError(f"body nests deeper than {_MAX_DEPTH} levels")
     try:
         body = json.loads(raw or b"null")
     except ValueError as exc:
@@ -55,6 +78,31 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise AdminError("body must be a JSON object")
     return body
+
+
+def _nesting_depth(raw: bytes, limit: int) -> int:
+    """How deep JSON arrays and objects nest (strings skipped), counted up to ``limit + 1``."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return deepest
 
 
 def _provider(request: web.Request) -> str:
@@ -138,9 +186,9 @@ async def star(request: web.Request) -> web.Response:
         starred = request.method == "PUT"
         if not starred and workspace not in state.backend.starred():
             raise AdminError(f"workspace '{workspace}' is not starred", status=404, code="unknown_provider")
+        stars = state.set_star(workspace, starred)
     except AdminError as exc:
         return error_response(exc)
-    stars = state.set_star(workspace, starred)
     await state.backend.flush()
     return web.json_response({"workspace": workspace, "starred": starred, "starred_workspaces": sorted(stars)})
 

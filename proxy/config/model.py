@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -278,6 +279,25 @@ def _check_backend_url(value: str) -> str:
     return value
 
 
+_HOST_NAME = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::[0-9]{1,5})?")
+_ORIGIN = re.compile(r"https?://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(?::[0-9]{1,5})?")
+
+
+def _check_allowed_host(value: str) -> str:
+    value = value.strip().lower()
+    if value != "*" and not _HOST_NAME.fullmatch(value):
+        raise ValueError('must be a host name as clients send it in Host (such as slotproxy.agents.svc or '
+                         'proxy.local:8787), or "*" for any')
+    return value
+
+
+def _check_origin(value: str) -> str:
+    value = value.strip().lower()
+    if not _ORIGIN.fullmatch(value):
+        raise ValueError("must be a browser origin: scheme://host[:port] with no path, such as http://localhost:3000")
+    return value
+
+
 _URL_SCHEMA = WithJsonSchema({"type": "string", "format": "uri", "pattern": "^https?://"})
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -290,12 +310,14 @@ if TYPE_CHECKING:
     Port: TypeAlias = int
     Count: TypeAlias = int
     Status: TypeAlias = int
+    ConnectionCount: TypeAlias = int
 else:
     Limit = _int_type("must be a positive integer or null", 1, MAX_LIMIT, nullable=True)
     PositiveIntOrNull = Limit
     Port = _int_type("must be a port number from 0 to 65535", 0, 65535)
     Count = _int_type("must be a whole number, 0 or more", 0)
     Status = _int_type("must be an HTTP status code from 400 to 599", 400, 599)
+    ConnectionCount = _int_type("must be a whole number from 1 to 1000000", 1, 1_000_000)
 EnvName = Annotated[
     str,
     _matching(
@@ -316,6 +338,8 @@ DottedPath = Annotated[
     str, _matching(_DOTTED_PATH, "must be a dotted path such as data.sessions.active")
 ]
 BackendUrl = Annotated[str, AfterValidator(_check_backend_url)]
+AllowedHost = Annotated[str, AfterValidator(_check_allowed_host)]
+Origin = Annotated[str, AfterValidator(_check_origin)]
 Auth = Literal["bearer", "x-api-key"]
 
 
@@ -331,6 +355,12 @@ class Server(_Frozen):
     port: Port = 8787
     max_body: Size = 32 * 1024**2
     shutdown_grace: Duration = 30.0
+    allowed_hosts: tuple[AllowedHost, ...] = ()
+    allowed_origins: tuple[Origin, ...] = ()
+    header_timeout: PositiveDuration = 10.0
+    body_timeout: PositiveDuration = 30.0
+    write_timeout: PositiveDuration = 60.0
+    max_connections: ConnectionCount = 4096
 
 
 class Admin(_Frozen):
@@ -411,10 +441,11 @@ class Headers(_Frozen):
     starred: HeaderName = "X-Workspace-Starred"
     prompt_started_at: HeaderName = "X-Prompt-Started-At"
     conversation: HeaderName = "X-Conversation-Id"
+    max_prompt_age: PositiveDuration = 86400.0
 
     @model_validator(mode="after")
     def _distinct(self) -> Headers:
-        names = [name.lower() for name in self.model_dump().values()]
+        names = [name.lower() for name in self.model_dump(exclude={"max_prompt_age"}).values()]
         if len(set(names)) != len(names):
             raise ValueError("each priority header needs its own name")
         return self
@@ -531,10 +562,15 @@ class Config(_Frozen):
     def provider_names(self) -> list[str]:
         return list(self.providers)
 
-    def warnings(self) -> list[str]:
-        """Valid settings that weaken or switch off something: ``check`` prints them, ``serve`` logs them."""
+    def warnings(self, environ: Mapping[str, str] | None = None) -> list[str]:
+        """Valid settings that weaken or switch off something: ``check`` prints them, ``serve`` logs them.
+
+        With ``environ``, also every ``api_key_env`` that names a variable unset or empty there.
+        """
         found = []
         for name, settings in self._settings.items():
+            if environ is not None and settings.api_key_env and not environ.get(settings.api_key_env):
+                found.append(_missing_key_warning(f"providers.{name}.api_key_env", settings.api_key_env))
             if not settings.tls_verify:
                 found.append(f"providers.{name}.tls_verify is false: the upstream's TLS certificate is not "
                              "checked (meant for self-signed test setups only)")
@@ -553,8 +589,29 @@ class Config(_Frozen):
         return result
 
 
+def looks_like_a_key(name: str) -> bool:
+    """Variable names are short and upper-case; a long mixed-case or lower-case token is a pasted key."""
+    return len(name) >= 24 or (len(name) >= 12 and any(c.islower() for c in name) and any(c.isdigit() for c in name))
+
+
+def env_name_for_display(name: str) -> str:
+    """An ``api_key_env`` as ``check`` and the logs may print it: a pasted key shows only its first 4 characters."""
+    return f"{name[:4]}{_MASK}" if looks_like_a_key(name) else name
+
+
+def _missing_key_warning(path: str, name: str) -> str:
+    shown = env_name_for_display(name)
+    if looks_like_a_key(name):
+        return (f"{path} is '{shown}', which looks like a key value, not a variable name: put the key in an "
+                "environment variable and name that variable here")
+    return (f"{path} names ${shown}, which is unset or empty: requests to this provider carry the client's own "
+            f"credentials until it is set")
+
+
 def _masked_provider(settings: ProviderSettings) -> dict[str, Any]:
     data = settings.model_dump(mode="json", exclude={"name"})
+    if data["api_key_env"]:
+        data["api_key_env"] = env_name_for_display(data["api_key_env"])
     if data["usage"] is not None:
         data["usage"]["headers"] = {key: _MASK for key in data["usage"]["headers"]}
     return data

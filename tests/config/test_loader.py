@@ -78,7 +78,8 @@ def test_spec_wording_for_a_bad_limit() -> None:
         ("provider: {}", "provider: unknown key (did you mean 'providers'?) (line 1)"),
         (
             "server: {zzz: 1}",
-            "server.zzz: unknown key (allowed: host, port, max_body, shutdown_grace) (line 1)",
+            ("server.zzz: unknown key (allowed: host, port, max_body, shutdown_grace, allowed_hosts, allowed_origins, "
+             "header_timeout, body_timeout, write_timeout, max_connections) (line 1)"),
         ),
         ("workspaces: {starred: release-team}", "workspaces.starred: must be a list (line 1)"),
     ],
