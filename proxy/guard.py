@@ -112,11 +112,17 @@ class BrowserGuard:
         site = headers.get("Sec-Fetch-Site", "").strip().lower()
         if site not in _CROSS:
             return None
-        navigation = method == "GET" and headers.get("Sec-Fetch-Mode", "").strip().lower() == "navigate"
-        if navigation and path in DASHBOARD_PATHS:
+        if path in DASHBOARD_PATHS and _top_level_navigation(method, headers):
             return None
         return ("requests sent by another web site are refused: list that site's origin in "
                 "server.allowed_origins to allow it")
+
+
+def _top_level_navigation(method: str, headers: Mapping[str, str]) -> bool:
+    """A link followed in a browser tab; not a frame, which navigates too but sits inside the other page."""
+    if method != "GET" or headers.get("Sec-Fetch-Mode", "").strip().lower() != "navigate":
+        return False
+    return headers.get("Sec-Fetch-Dest", "document").strip().lower() == "document"
 
 
 def check_path(raw_path: str) -> None:

@@ -176,6 +176,11 @@ async def test_the_proxys_own_origin_and_a_navigation_to_the_dashboard_are_serve
     link = await send_raw(target.port, raw("GET", "/_slotproxy/", "Sec-Fetch-Site: cross-site",
                                            "Sec-Fetch-Mode: navigate"))
     assert link.status == 200 and b"<html" in link.body.lower()
+    framed = await send_raw(target.port, raw("GET", "/_slotproxy/", "Sec-Fetch-Site: cross-site",
+                                             "Sec-Fetch-Mode: navigate", "Sec-Fetch-Dest: iframe"))
+    assert framed.status == 403
+    assert "frame-ancestors 'none'" in link.headers["content-security-policy"]
+    assert link.headers["x-frame-options"] == "DENY"
     status_by_link = await send_raw(target.port, raw("GET", "/_slotproxy/status", "Sec-Fetch-Site: cross-site",
                                                      "Sec-Fetch-Mode: navigate"))
     assert status_by_link.status == 403

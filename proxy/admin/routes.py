@@ -21,6 +21,14 @@ async def status(request: web.Request) -> web.Response:
 
 
 _DASHBOARD = Path(__file__).with_name("dashboard.html")
+_DASHBOARD_HEADERS = {
+    "Cache-Control": "no-store",
+    # frame-ancestors and X-Frame-Options: no other page may frame the dashboard (clickjacking its buttons).
+    "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+                               "script-src 'self' 'unsafe-inline'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 @functools.cache
@@ -33,7 +41,7 @@ async def dashboard(request: web.Request) -> web.Response:
         body=_dashboard_html(),
         content_type="text/html",
         charset="utf-8",
-        headers={"Cache-Control": "no-store", "Content-Security-Policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'"},
+        headers=_DASHBOARD_HEADERS,
     )
 
 
