@@ -32,6 +32,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
 
 from .errors import BadRequest, ProxyError, TooManyConnections, UpstreamTimeout
 from .logs import ThrottledLog
@@ -97,6 +98,7 @@ class ConnectionGuard:
         self.settings = settings or ConnectionSettings()
         self.cap = self.settings.max_connections
         self._open: dict[GuardedRequestHandler, None] = {}
+        self._warned: tuple[int, int] | None = None
         self.refused = ThrottledLog(log, logging.WARNING, "refused a client connection: %d open, every one busy "
                                     "(server.max_connections, lowered to what the open-files limit allows)")
         self.evicted = ThrottledLog(log, logging.INFO, "closed an idle client connection to make room: %d open")
@@ -105,13 +107,17 @@ class ConnectionGuard:
         self.writes_stalled = ThrottledLog(log, logging.WARNING, "cut off a client that accepted no bytes for "
                                            "server.write_timeout (%gs)")
         self.malformed = ThrottledLog(log, logging.INFO, "rejected a bad request: not valid HTTP (%s)")
-        self.configure(self.settings)
+        self.configure(self.settings, quiet=settings is None)
 
-    def configure(self, settings: ConnectionSettings) -> None:
+    def configure(self, settings: ConnectionSettings, *, quiet: bool = False) -> None:
+        """Apply settings. A cap lowered by the open-files limit is warned about once per
+        (max_connections, open files) pair, not again on each reload."""
         self.settings = settings
         open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.cap = connection_cap(settings.max_connections, open_files)
-        if self.cap < settings.max_connections:
+        limits = (settings.max_connections, open_files)
+        if self.cap < settings.max_connections and not quiet and limits != self._warned:
+            self._warned = limits
             log.warning("server.max_connections is %d, but the open files limit (%d) leaves room for %d client "
                         "connections: raise it (ulimit -n, LimitNOFILE=) to serve more",
                         settings.max_connections, open_files, self.cap)
@@ -128,7 +134,9 @@ class ConnectionGuard:
                 self.refused.event(len(self._open))
                 return False
             victim.evict()
+            self._open[handler] = None
             self.evicted.event(len(self._open))
+            return True
         self._open[handler] = None
         return True
 
@@ -217,6 +225,15 @@ class GuardedRequestHandler(RequestHandler):
         self.force_close()
         if self.transport is not None:
             self.transport.close()
+
+    async def finish_response(self, request: BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        """After a 408 (``body_timeout``) the connection closes at once: aiohttp would otherwise linger,
+        for up to 10 s, reading the rest of a body the client has stopped sending."""
+        result = await super().finish_response(request, resp, start_time)
+        if resp.status == 408:
+            self.force_close()
+        return result
 
     def _cancel_timers(self) -> None:
         for timer in (self._header_timer, self._write_timer):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -29,7 +30,9 @@ class ThrottledLog:
     """One log line per ``interval`` at most for an event an attacker could repeat at will.
 
     Each call counts the event; a line is written when the last one is at least
-    ``interval`` old, and says how many events it stands for.
+    ``interval`` old, and says how many events it stands for. Events held back are
+    reported by one more line when the interval ends (inside an event loop), so a
+    burst's tail is never lost.
     """
 
     def __init__(self, logger: logging.Logger, level: int, message: str, *,
@@ -41,17 +44,40 @@ class ThrottledLog:
         self._clock = clock
         self._last: float | None = None
         self._unreported = 0
+        self._args: tuple[object, ...] = ()
+        self._flush_pending = False
 
     def event(self, *args: object) -> bool:
         """Count one event; log it (with the count) if the last line is old enough. True when logged."""
         self._unreported += 1
+        self._args = args
         now = self._clock()
         if self._last is not None and now - self._last < self._interval:
+            self._schedule_flush(self._last + self._interval - now)
             return False
+        self._write(now)
+        return True
+
+    def flush(self) -> None:
+        """Report the events held back since the last line, if any."""
+        self._flush_pending = False
+        if self._unreported:
+            self._write(self._clock())
+
+    def _write(self, now: float) -> None:
         self._last = now
         count, self._unreported = self._unreported, 0
-        self._logger.log(self._level, self._message + " (%d since the last report)", *args, count)
-        return True
+        self._logger.log(self._level, self._message + " (%d since the last report)", *self._args, count)
+
+    def _schedule_flush(self, delay: float) -> None:
+        if self._flush_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._flush_pending = True
+        loop.call_later(delay, self.flush)
 
 
 class _MaskingFormatter(logging.Formatter):
