@@ -35,9 +35,10 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from .app import ProxyState, start_server
+from .app import start_server
 from .config import parse_config
 from .fake_upstream import FakeUpstream, start_fake_upstream
+from .runtime import ProxyState
 
 __all__ = ["DemoOptions", "add_arguments", "main", "run_demo"]
 

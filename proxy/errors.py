@@ -94,6 +94,12 @@ class ShuttingDown(ProxyError):
 class UnknownProvider(ProxyError):
     status, code = 404, "unknown_provider"
 
+    @classmethod
+    def named(cls, provider: str, configured: list[str] | None = None) -> UnknownProvider:
+        """The one wording for a provider id that is not configured (``configured`` lists the known ones)."""
+        known = "" if configured is None else f"; configured: {', '.join(configured) or 'none'}"
+        return cls(f"unknown provider '{provider}'{known}")
+
 
 class BodyTooLarge(ProxyError):
     status, code = 413, "body_too_large"

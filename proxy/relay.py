@@ -35,39 +35,29 @@ from .headers import (
     forward_response_headers,
     parse_priority,
 )
+from .keys import (
+    ALLOWED_ORIGIN,
+    PROVIDER,
+    QUEUE_MS_HEADER,
+    STATE,
+    UNTYPED_BODY,
+    error_response,
+)
 from .limiter import Priority, SlotLease
+from .runtime import ProxyState
 from .signals import Backoff, StreamErrorScanner, classify_response, readable_body
 
 if TYPE_CHECKING:
-    from .app import ProxyState
     from .config import ProviderSettings
 
-__all__ = ["ALLOWED_ORIGIN", "PROVIDER", "QUEUE_MS_HEADER", "STATE", "UNTYPED_BODY", "error_response", "proxy_handler"]
+__all__ = ["Exchange", "proxy_handler"]
 
 log = logging.getLogger("slotproxy.relay")
 
-QUEUE_MS_HEADER = "X-Slotproxy-Queue-Ms"
-STATE: web.AppKey[ProxyState] = web.AppKey("slotproxy")
-PROVIDER: web.RequestKey[str] = web.RequestKey("slotproxy_provider", str)
-UNTYPED_BODY: web.ResponseKey[bool] = web.ResponseKey("slotproxy_untyped_body", bool)
-ALLOWED_ORIGIN: web.RequestKey[str] = web.RequestKey("slotproxy_allowed_origin", str)
-"""Set on a request whose Origin header passed the origin rule; upstream CORS headers reach only those."""
 _MAX_ERROR_BODY = 1 << 20
 _ONE_WRITE_MAX = 64 * 1024
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
 _R = TypeVar("_R", bound=web.StreamResponse)
-
-
-def error_response(error: ProxyError, *, queue_ms: int | None = None) -> web.Response:
-    """A proxy-made answer in the OpenAI error shape, so SDKs surface it."""
-    response = web.json_response(error.body(), status=error.status)
-    if error.retry_after is not None:
-        response.headers["Retry-After"] = str(max(1, int(error.retry_after + 0.999)))
-    if queue_ms is not None:
-        response.headers[QUEUE_MS_HEADER] = str(queue_ms)
-    if error.status == 408:
-        response.force_close()
-    return response
 
 
 class _NoSlot:
@@ -100,8 +90,7 @@ def _route(request: web.Request, state: ProxyState) -> tuple[str, ProviderSettin
     provider = request.match_info["provider"]
     settings = state.provider(provider)
     if settings is None:
-        known = "" if state.client_keys is not None else f"; configured: {', '.join(state.provider_names()) or 'none'}"
-        raise UnknownProvider(f"unknown provider '{provider}'{known}")
+        raise UnknownProvider.named(provider, None if state.client_keys is not None else state.provider_names())
     decoded_rest = request.match_info.get("rest", "")
     if any(segment in (".", "..") for segment in decoded_rest.split("/")):
         raise BadRequest("dot segments ('.' or '..') are not allowed in the request path")
@@ -122,7 +111,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     if state.client_keys is not None:
         # Before routing, so that a client without a key learns nothing, not even which providers exist.
         known = state.provider(request.match_info["provider"])
-        injected = known is not None and state.provider_auth(known) is not None
+        injected = known is not None and state.upstreams.auth(known) is not None
         consumed = state.client_keys.check(request.headers, provider_key_injected=injected)
     provider, settings, url = _route(request, state)
     request[PROVIDER] = provider
@@ -227,11 +216,11 @@ class Exchange:
 
     async def _exchange(self, lease: SlotLease | _NoSlot, retry_allowed: bool,
                         deadline: asyncio.Timeout) -> web.StreamResponse:
-        session = self.state.session_for(self.settings)
+        session = self.state.upstreams.session_for(self.settings)
         # Built after the grant: a queued request holds nothing it does not need yet.
         strip = self.state.strip_headers | self.consumed if self.consumed else self.state.strip_headers
         headers = forward_request_headers(self.request.headers, strip=strip,
-                                          auth=self.state.provider_auth(self.settings))
+                                          auth=self.state.upstreams.auth(self.settings))
         data = None if (not self.body and self.request.method in _NO_BODY_METHODS) else self.body
         # idle_timeout bounds the wait for the final response headers too: aiohttp's
         # read timeout restarts on every 1xx answer, so it alone does not.
@@ -243,7 +232,7 @@ class Exchange:
             headers=headers,
             data=data,
             allow_redirects=False,
-            timeout=self.state.client_timeout(self.settings),
+            timeout=self.state.upstreams.client_timeout(self.settings),
         ) as upstream:
             if not lease.reclaimed:  # a reclaim moved the deadline to now: keep it
                 deadline.reschedule(None)

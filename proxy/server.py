@@ -12,12 +12,13 @@ from pathlib import Path
 from aiohttp import web
 
 from .aio import cancel_and_wait
-from .app import ProxyState, start_server
+from .app import start_server
 from .config import Config, ConfigError, load_config
 from .connections import install_accept_error_log, raise_open_files_limit
 from .errors import ShuttingDown
 from .heap import HeapKeeper
 from .limiter import LoopClock
+from .runtime import ProxyState
 
 __all__ = ["ConfigWatcher", "serve", "shutdown"]
 

@@ -8,14 +8,16 @@ starts from the YAML alone.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STATE_VERSION", "StateStore"]
+__all__ = ["MAX_RUNTIME_STARS", "STATE_VERSION", "StarOverrides", "StateStore", "StateWriter", "TooManyStars"]
 
 log = logging.getLogger("slotproxy.state")
 
@@ -68,3 +70,88 @@ class StateStore:
             self.writes += 1
         except OSError as exc:
             log.error("could not write the state file %s: %s", self.path, exc)
+
+
+MAX_RUNTIME_STARS = 10_000
+"""Workspaces the admin API may star beyond the YAML's: each is kept in the state file."""
+
+
+class TooManyStars(ValueError):
+    """Starring one more workspace at runtime would pass ``MAX_RUNTIME_STARS``."""
+
+
+class StarOverrides:
+    """Stars set at runtime (admin API) over the YAML's ``workspaces.starred``.
+
+    Only what differs from the YAML is kept: unstarring a workspace the YAML does not
+    star forgets it, so the state file does not grow with star/unstar pairs.
+    """
+
+    def __init__(self) -> None:
+        self._overrides: dict[str, bool] = {}
+
+    def load(self, raw: object, yaml_starred: tuple[str, ...]) -> None:
+        """Overrides from a state file, without unstars of workspaces the YAML does not star, capped."""
+        self._overrides = {}
+        if not isinstance(raw, dict):
+            return
+        starred = 0
+        for workspace, value in raw.items():
+            name, on = str(workspace), bool(value)
+            if not on and name not in yaml_starred:
+                continue
+            if on:
+                if starred >= MAX_RUNTIME_STARS:
+                    continue
+                starred += 1
+            self._overrides[name] = on
+
+    def effective(self, yaml_starred: tuple[str, ...]) -> frozenset[str]:
+        from_yaml = {w for w in yaml_starred if self._overrides.get(w, True)}
+        return frozenset(from_yaml | {w for w, on in self._overrides.items() if on})
+
+    def set(self, workspace: str, starred: bool, yaml_starred: tuple[str, ...]) -> None:
+        if starred:
+            if not self._overrides.get(workspace) and self.runtime_stars() >= MAX_RUNTIME_STARS:
+                raise TooManyStars(f"at most {MAX_RUNTIME_STARS} workspaces can be starred through the admin API; "
+                                   "unstar some, or star them in the YAML (workspaces.starred)")
+            self._overrides[workspace] = True
+        elif workspace in yaml_starred:
+            self._overrides[workspace] = False
+        else:
+            self._overrides.pop(workspace, None)
+
+    def runtime_stars(self) -> int:
+        return sum(1 for on in self._overrides.values() if on)
+
+    def yaml_changed(self, before: tuple[str, ...], after: tuple[str, ...]) -> None:
+        """A YAML edit of a workspace's star is a manual act: it wins over the admin API's override."""
+        for workspace in set(before) ^ set(after):
+            self._overrides.pop(workspace, None)
+
+    def as_dict(self) -> dict[str, bool]:
+        return dict(self._overrides)
+
+
+class StateWriter:
+    """Writes the state file after changes, a burst of them coalesced into one write per loop turn."""
+
+    def __init__(self, store: StateStore, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self.store = store
+        self._snapshot = snapshot
+        self._pending = False
+
+    def schedule(self) -> None:
+        if self.store.path is None or self._pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.save()
+            return
+        self._pending = True
+        loop.call_soon(self.save)
+
+    def save(self) -> None:
+        self._pending = False
+        self.store.save(self._snapshot())

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
 
 from .aio import cancel_and_wait
-from .config.model import Usage
+from .backends.base import Backend
+from .config.model import ProviderSettings, Usage
 from .limiter import Clock, ProviderLimiter
 from .limiter.gate import UsageGate
 
-__all__ = ["UsagePoller", "read_field"]
+__all__ = ["UsagePoller", "UsagePollers", "read_field"]
 
 log = logging.getLogger("slotproxy.usage")
 
@@ -112,3 +114,36 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, ValueError):
         return "invalid JSON"
     return type(exc).__name__
+
+
+class UsagePollers:
+    """One poller per provider with a ``usage:`` block, on backends that can host its gate;
+    a changed block restarts that provider's poller."""
+
+    def __init__(self) -> None:
+        self._pollers: dict[str, UsagePoller] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+
+    def sync(self, providers: Mapping[str, ProviderSettings], backend: Backend,
+             session_for: Callable[[ProviderSettings], aiohttp.ClientSession]) -> None:
+        for name, poller in list(self._pollers.items()):
+            settings = providers.get(name)
+            if settings is None or settings.usage != poller.usage:
+                del self._pollers[name]
+                task = asyncio.get_running_loop().create_task(poller.stop())
+                self._stopping.add(task)
+                task.add_done_callback(self._stopping.discard)
+        for name, settings in providers.items():
+            if settings.usage is None or name in self._pollers:
+                continue
+            limiter = backend.usage_limiter(name)
+            if limiter is None:
+                continue
+            poller = UsagePoller(name, settings.usage, limiter, session_for(settings), backend.clock)
+            poller.start()
+            self._pollers[name] = poller
+
+    async def close(self) -> None:
+        for poller in self._pollers.values():
+            await poller.stop()
+        self._pollers.clear()

@@ -17,9 +17,11 @@ import pytest
 from aiohttp import web
 from hypothesis import settings
 
-from proxy.app import ProxyState, start_server
+from proxy.admin.status import status_document
+from proxy.app import start_server
 from proxy.config import parse_config
 from proxy.fake_upstream import FakeUpstream, start_fake_upstream
+from proxy.runtime import ProxyState
 
 # Hypothesis: "ci" is fixed-seed and quick; HYPOTHESIS_PROFILE=long searches harder.
 settings.register_profile("ci", derandomize=True, max_examples=200, deadline=None, print_blob=True)
@@ -48,7 +50,7 @@ class Proxy:
         return f"http://127.0.0.1:{self.port}"
 
     def status(self, provider: str = "openai") -> dict[str, Any]:
-        for entry in self.state.status()["providers"]:
+        for entry in status_document(self.state)["providers"]:
             if entry["provider"] == provider:
                 return entry
         raise KeyError(provider)

@@ -795,7 +795,7 @@ async def test_chaos(start_upstream, start_proxy, tmp_path: Path, monkeypatch: p
         # (aiohttp internals, read only). Then the pool itself is closed so that the socket
         # and task counts can be compared with the baseline taken before it existed.
         acquired = sum(len(getattr(s.connector, "_acquired", ()) or ())
-                       for s in proxy.state._sessions.values() if s.connector is not None)
+                       for s in proxy.state.upstreams._sessions.values() if s.connector is not None)
         await proxy.state.close()
 
         def live_sockets() -> dict[str, str]:

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from proxy.app import ProxyState, start_server
+from proxy.admin.status import status_document
+from proxy.app import start_server
 from proxy.config import load_config
+from proxy.runtime import ProxyState
 from proxy.server import ConfigWatcher
 
 from .conftest import chat, free_port, wait_until
@@ -101,7 +103,7 @@ async def test_a_removed_provider_finishes_what_it_has_and_takes_nothing_new(
             response = await task
             assert response.status == 200
             assert (await response.read()).endswith(b"data: [DONE]\n\n")
-        new_names = [p["provider"] for p in state.status()["providers"]]
+        new_names = [p["provider"] for p in status_document(state)["providers"]]
         assert "extra" not in new_names
     finally:
         await runner.cleanup()

@@ -24,10 +24,10 @@ import aiohttp
 import pytest
 
 from proxy.admin.throttle import AuthFailures
-from proxy.app import MAX_RUNTIME_STARS
 from proxy.guard import BrowserGuard, check_path, host_name
 from proxy.headers import PriorityHeaders, parse_priority
 from proxy.limiter import FakeClock
+from proxy.state import MAX_RUNTIME_STARS
 
 from .conftest import Proxy, chat, wait_until
 from .test_bad_input import Recorder, assert_error, recorder, send_raw
@@ -363,7 +363,7 @@ async def test_unstar_forgets_and_runtime_stars_are_capped(start_proxy, tmp_path
     await wait_until(lambda: state_path.exists() and json.loads(state_path.read_text())["star_overrides"]
                      == {"yaml-star": False}, what="only the YAML star's override left")
     overrides = {f"w{n}": True for n in range(MAX_RUNTIME_STARS)}
-    proxy.state._star_overrides.update(overrides)
+    proxy.state.stars.load(overrides, ())
     async with client.put(star.format("one-too-many")) as resp:
         assert resp.status == 400
         assert str(MAX_RUNTIME_STARS) in assert_error(await resp.json(), "bad_request")

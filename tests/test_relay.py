@@ -12,6 +12,8 @@ import openai
 import pytest
 from aiohttp import web
 
+from proxy.admin.status import status_document
+
 from .conftest import chat, provider_yaml, serve_app, wait_until
 
 pytestmark = pytest.mark.asyncio
@@ -138,7 +140,7 @@ async def test_priority_headers_stripped_and_provider_key_replaces_client_auth(
     assert seen["x-custom"] == "kept"
     for name in ("x-workspace-id", "x-workspace-starred", "x-prompt-started-at", "x-conversation-id"):
         assert name not in seen
-    status_text = json.dumps(proxy.state.status())
+    status_text = json.dumps(status_document(proxy.state))
     metrics_text = proxy.state.metrics.render().decode()
     for text in (caplog.text, status_text, metrics_text):
         assert secret not in text

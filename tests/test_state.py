@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.app import ProxyState
 from proxy.config import parse_config
 from proxy.limiter import auto_reduce_notice
+from proxy.runtime import ProxyState
 from proxy.state import STATE_VERSION
 
 from .conftest import free_port
@@ -47,7 +47,7 @@ async def test_restart_restores_reduction_manual_limit_cooldown_and_stars(tmp_pa
     first.backend.set_limit("other", 2)
     first.backend.set_cooldown("other", 1.5)
     first.set_star("release-team", True)
-    first.save_state()
+    first.state_file.save()
     await first.close()
 
     second = await restart(config_text(path))
@@ -64,7 +64,7 @@ async def test_a_yaml_limit_edit_wins_over_the_state_file(tmp_path: Path) -> Non
     path = tmp_path / "state.json"
     first = await restart(config_text(path, limit=4))
     first.backend.report_backoff("openai", "429", 0.01, sent_at=time.time())
-    first.save_state()
+    first.state_file.save()
     await first.close()
     second = await restart(config_text(path, limit=6))
     status = second.backend.provider_status("openai").to_dict()
@@ -76,7 +76,7 @@ async def test_unstarring_a_yaml_star_survives_a_restart_until_the_yaml_changes(
     path = tmp_path / "state.json"
     first = await restart(config_text(path, starred="[team-a]"))
     first.set_star("team-a", False)
-    first.save_state()
+    first.state_file.save()
     await first.close()
     second = await restart(config_text(path, starred="[team-a]"))
     assert "team-a" not in second.backend.starred()
@@ -96,7 +96,7 @@ async def test_a_corrupt_state_file_is_set_aside_not_fatal(tmp_path: Path, conte
     assert len(aside) == 1 and aside[0].read_text() == content
     assert "unreadable" in caplog.text
     state.backend.set_limit("openai", 2)
-    state.save_state()
+    state.state_file.save()
     assert json.loads(path.read_text())["version"] == STATE_VERSION
     await state.close()
 

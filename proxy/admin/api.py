@@ -13,11 +13,11 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from ..body import read_body
-from ..config.model import MAX_LIMIT
-from ..errors import AdminError, BodyTooLarge
+from ..errors import AdminError, BodyTooLarge, UnknownProvider
 from ..headers import valid_label
+from ..keys import STATE
 from ..limiter import validate_limit
-from ..relay import STATE, error_response
+from ..state import TooManyStars
 
 __all__ = ["add_routes"]
 
@@ -108,7 +108,7 @@ def _nesting_depth(raw: bytes, limit: int) -> int:
 def _provider(request: web.Request) -> str:
     name = request.match_info["id"]
     if not request.app[STATE].backend.has_provider(name):
-        raise AdminError(f"unknown provider '{name}'", status=404, code="unknown_provider")
+        raise UnknownProvider.named(name)
     return name
 
 
@@ -116,12 +116,9 @@ def _limit_from(body: dict[str, Any]) -> int | None:
     if set(body) != {"limit"}:
         raise AdminError('body must be {"limit": <positive integer or null>}')
     try:
-        limit = validate_limit(body["limit"])
+        return validate_limit(body["limit"])
     except ValueError as exc:
         raise AdminError(str(exc)) from exc
-    if limit is not None and limit > MAX_LIMIT:
-        raise AdminError(f"limit must be at most {MAX_LIMIT}, got {limit}")
-    return limit
 
 
 def _cooldown_from(body: dict[str, Any]) -> float:
@@ -144,13 +141,12 @@ async def _provider_answer(request: web.Request, provider: str) -> web.Response:
 async def _provider_write(
     request: web.Request, parse: Callable[[dict[str, Any]], T], apply: Callable[[str, T], str]
 ) -> web.Response:
-    """Authorize, find the provider, validate the body, apply, log, answer its status."""
-    try:
-        authorize(request)
-        provider = _provider(request)
-        value = parse(await _json_object(request))
-    except AdminError as exc:
-        return error_response(exc)
+    """Authorize, find the provider, validate the body, apply, log, answer its status.
+
+    An ``AdminError`` on the way is rendered by the app's middleware, like every ``ProxyError``."""
+    authorize(request)
+    provider = _provider(request)
+    value = parse(await _json_object(request))
     what = apply(provider, value)
     log.info("provider=%s %s via the admin API", provider, what)
     return await _provider_answer(request, provider)
@@ -177,18 +173,18 @@ async def put_cooldown(request: web.Request) -> web.Response:
 
 
 async def star(request: web.Request) -> web.Response:
+    authorize(request)
+    workspace = request.match_info["id"]
+    if not valid_label(workspace):
+        raise AdminError(f"'{workspace[:64]}' is not a valid workspace id")
+    state = request.app[STATE]
+    starred = request.method == "PUT"
+    if not starred and workspace not in state.backend.starred():
+        raise AdminError(f"workspace '{workspace}' is not starred", status=404, code="unknown_provider")
     try:
-        authorize(request)
-        workspace = request.match_info["id"]
-        if not valid_label(workspace):
-            raise AdminError(f"'{workspace[:64]}' is not a valid workspace id")
-        state = request.app[STATE]
-        starred = request.method == "PUT"
-        if not starred and workspace not in state.backend.starred():
-            raise AdminError(f"workspace '{workspace}' is not starred", status=404, code="unknown_provider")
         stars = state.set_star(workspace, starred)
-    except AdminError as exc:
-        return error_response(exc)
+    except TooManyStars as exc:
+        raise AdminError(str(exc)) from None
     await state.backend.flush()
     return web.json_response({"workspace": workspace, "starred": starred, "starred_workspaces": sorted(stars)})
 

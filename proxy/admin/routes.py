@@ -7,9 +7,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ..relay import STATE
+from ..keys import STATE
 from . import api
 from .metrics import CONTENT_TYPE
+from .status import status_document
 
 __all__ = ["add_routes"]
 
@@ -17,7 +18,7 @@ __all__ = ["add_routes"]
 async def status(request: web.Request) -> web.Response:
     state = request.app[STATE]
     await state.backend.refresh()
-    return web.json_response(state.status())
+    return web.json_response(status_document(state))
 
 
 _DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -64,7 +65,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    await state.backend.refresh()
+    await state.backend.refresh(queue_detail=False)
     body = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 

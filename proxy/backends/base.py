@@ -10,6 +10,7 @@ from ..limiter import (
     Clock,
     LimiterSettings,
     Priority,
+    ProviderLimiter,
     ProviderStatus,
     SlotLease,
 )
@@ -26,6 +27,8 @@ class Backend(Protocol):
 
     def has_provider(self, name: str) -> bool: ...
 
+    def usage_limiter(self, provider: str) -> ProviderLimiter | None:
+        """The in-process limiter a usage gate attaches to, or None where the backend cannot host one."""
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
         """Wait for a slot. Raises QueueFull or QueueTimeout; cancelling the caller leaves the queue."""
@@ -65,8 +68,9 @@ class Backend(Protocol):
     async def start(self) -> None:
         """Connect before the first request."""
 
-    async def refresh(self) -> None:
-        """Bring the snapshot statistics() reads up to date (a no-op in memory)."""
+    async def refresh(self, *, queue_detail: bool = True) -> None:
+        """Bring the snapshot statistics() reads up to date (a no-op in memory); ``queue_detail=False``
+        leaves the queue listing out (metrics need only the counts)."""
 
     async def flush(self) -> None:
         """Wait for background writes issued so far (a no-op in memory)."""

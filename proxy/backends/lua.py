@@ -5,9 +5,9 @@ Keys of one provider (``{prefix}:{provider}:...``), always passed in this order:
 ====  ========  =============================================================
  1    cfg       hash: limit, configured_limit, auto_reduced_from, notice,
                 cooldown_ms, configured_cooldown_ms, paused_until,
-                last_reduction_at, last_backoff_at, default_pause_ms,
-                recovery_ms, created_at, settle_until, and counters
-                (granted, backoffs, ...)
+                last_reduction_at, last_backoff_at, recovering_notice
+                (a template from the policy), recovery_ms, created_at,
+                settle_until, and the policy's counters (granted, ...)
  2    leases    zset: lease id (= the waiter id it was granted to) -> expiry
                 (ms); renewed by the holder
  3    cooling   zset: released lease id -> end of its release cooldown (ms)
@@ -19,6 +19,14 @@ Keys of one provider (``{prefix}:{provider}:...``), always passed in this order:
  8    seq       counter for arrival numbers
  9    stars     set of starred workspaces (shared by all providers)
 ====  ========  =============================================================
+
+The rules are the policy's (:mod:`proxy.limiter.policy`). What it decides reaches
+the scripts as arguments or settings fields: notice templates (auto-reduced,
+recovering), the pause length, the listing length, the counters' names. What
+must happen inside one atomic script is written here again: admission (limit,
+pause, settle), the same-burst test, one reduction step, one recovery step, the
+queue member's order; ``tests/backends/test_policy_vs_lua.py`` runs the same
+event sequences through both and compares every status field.
 
 All times come from Redis's own ``TIME``, so replicas with skewed clocks agree.
 Grants are published on ``{prefix}:grant:{replica}`` as "waiter lease granted_at".
@@ -65,7 +73,9 @@ local function recover(now)
   if limit >= from then
     redis.call('HDEL', KEYS[1], 'auto_reduced_from', 'notice')
   else
-    redis.call('HSET', KEYS[1], 'notice', 'Concurrency limit auto-reduced, recovering: now ' .. limit .. ' of ' .. from .. '.')
+    local template = redis.call('HGET', KEYS[1], 'recovering_notice') or ''
+    local notice = string.gsub(string.gsub(template, '{N}', tostring(limit)), '{TARGET}', tostring(from))
+    redis.call('HSET', KEYS[1], 'notice', notice)
   end
 end
 
@@ -185,7 +195,7 @@ end
 if redis.call('ZCARD', KEYS[4]) > tonumber(ARGV[10]) then
   forget_waiter(ARGV[1])
   redis.call('HINCRBY', KEYS[1], 'queue_full', 1)
-  return {-1, '0', seq}
+  return {-1, num('paused_until', 0) .. ' ' .. now, seq}
 end
 return {0, tostring(next_event(now)), seq}
 """
@@ -213,9 +223,11 @@ return {removed, tostring(next_event(now))}
 """
 
 CANCEL = _PRELUDE + r"""
--- ARGV: waiter id, lease_ttl, channel, keep ('1': the waiter holds its lease under this id; leave it).
+-- ARGV: waiter id, lease_ttl, channel, keep ('1': the waiter holds its lease under this id; leave it),
+--       timed_out ('1': its queue_timeout passed: counted). Returns "paused_until now" for the Retry-After hint.
 -- A waiter granted in the same instant hands its lease back.
 local now = now_ms()
+if ARGV[5] == '1' then redis.call('HINCRBY', KEYS[1], 'queue_timeouts', 1) end
 forget_waiter(ARGV[1])
 local g = redis.call('HGET', KEYS[7], ARGV[1])
 if g then
@@ -226,7 +238,7 @@ if g then
 end
 cleanup(now)
 dispatch(now, tonumber(ARGV[2]), ARGV[3])
-return 1
+return num('paused_until', 0) .. ' ' .. now
 """
 
 RENEW = _PRELUDE + r"""
@@ -268,10 +280,9 @@ return {missing, grants, lost, tostring(next_event(now)), configured() and 1 or 
 """
 
 BACKOFF = _PRELUDE + r"""
--- ARGV: cause, wait_ms (-1 = default_pause), sent_at (-1 = unknown), notice template with {N}
+-- ARGV: cause, wait_ms (policy.pause_length), sent_at (-1 = unknown), notice template with {N}
 local now = now_ms()
 local wait = tonumber(ARGV[2])
-if wait < 0 then wait = num('default_pause_ms', 30000) end
 local paused_until = num('paused_until', 0)
 local sent_at = tonumber(ARGV[3])
 local same_burst = paused_until > now or (sent_at >= 0 and sent_at <= num('last_reduction_at', -1))
@@ -311,7 +322,8 @@ return 1
 """
 
 CONFIGURE = _PRELUDE + r"""
--- ARGV: configured limit ('none' or n), configured cooldown_ms, default_pause_ms, recovery_ms, lease_ttl, channel,
+-- ARGV: configured limit ('none' or n), configured cooldown_ms, recovering notice template ({N}, {TARGET}),
+--       recovery_ms, lease_ttl, channel,
 --       settle_ms (how long to hold grants back if this re-creates the provider after Redis lost its data)
 -- A changed configured value is a manual act: it replaces the effective one and clears any auto-reduction.
 local now = now_ms()
@@ -329,7 +341,7 @@ local old_cooldown = redis.call('HGET', KEYS[1], 'configured_cooldown_ms')
 if old_cooldown ~= ARGV[2] then
   redis.call('HSET', KEYS[1], 'cooldown_ms', ARGV[2], 'configured_cooldown_ms', ARGV[2])
 end
-redis.call('HSET', KEYS[1], 'default_pause_ms', ARGV[3], 'recovery_ms', ARGV[4])
+redis.call('HSET', KEYS[1], 'recovering_notice', ARGV[3], 'recovery_ms', ARGV[4])
 cleanup(now)
 dispatch(now, tonumber(ARGV[5]), ARGV[6])
 return 1

@@ -76,10 +76,13 @@ class MemoryBackend:
         try:
             return self._limiters[provider]
         except KeyError:
-            raise UnknownProvider(f"unknown provider '{provider}'") from None
+            raise UnknownProvider.named(provider) from None
 
     def has_provider(self, name: str) -> bool:
         return name in self._limiters
+
+    def usage_limiter(self, provider: str) -> ProviderLimiter | None:
+        return self._limiters.get(provider)
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
         limiter = self.limiter(provider)
@@ -151,7 +154,7 @@ class MemoryBackend:
     async def start(self) -> None:
         return None
 
-    async def refresh(self) -> None:
+    async def refresh(self, *, queue_detail: bool = True) -> None:
         return None
 
     async def flush(self) -> None:

@@ -43,9 +43,9 @@ from ..limiter import (
     ProviderStatus,
     SlotLease,
     WaiterStatus,
-    auto_reduce_notice,
-    validate_limit,
+    policy,
 )
+from ..limiter.deadlines import Deadlines
 from . import lua
 from .memory import MemoryBackend
 
@@ -53,8 +53,10 @@ __all__ = ["RedisBackend", "RedisLease"]
 
 log = logging.getLogger("slotproxy.redis")
 
-_QUEUE_LISTED = 200
 _UNCONFIGURED = -2
+_POOL_SIZE = 32
+"""Redis connections one replica opens at most (one of them the grant listener's): callers beyond it wait
+their turn for a connection, so a deep queue never turns into connection errors."""
 
 
 class RedisLease:
@@ -118,10 +120,12 @@ class RedisLease:
 
 
 class _Waiter:
-    """A local request waiting for a grant. ``queued`` is set once Redis has answered its ENQUEUE
-    with "queued": only then do renewals heartbeat it (an ENQUEUE still in flight is not lost)."""
+    """A local request waiting for a grant. ``in_redis`` is set once Redis has answered its ENQUEUE
+    with "queued": only then do renewals heartbeat it (an ENQUEUE still in flight is not lost).
+    ``expiring``: its queue_timeout passed and its CANCEL is on the way; a grant that lands now is
+    handed back by that CANCEL, not taken."""
 
-    __slots__ = ("asked_at", "future", "priority", "provider", "queued", "seq")
+    __slots__ = ("asked_at", "expiring", "future", "in_redis", "local", "priority", "provider", "seq")
 
     def __init__(self, future: asyncio.Future[RedisLease], provider: str, priority: Priority, asked_at: float) -> None:
         self.future = future
@@ -129,7 +133,14 @@ class _Waiter:
         self.priority = priority
         self.seq: int | None = None
         self.asked_at = asked_at
-        self.queued = False
+        self.in_redis = False
+        self.expiring = False
+        self.local = False
+
+    @property
+    def queued(self) -> bool:
+        """Still waiting for Redis (for the queue deadlines): not granted, gone, expiring or served locally."""
+        return not (self.future.done() or self.expiring or self.local)
 
 
 class RedisBackend:
@@ -153,8 +164,10 @@ class RedisBackend:
         self._mode = on_backend_error
         self._local_limit = local_limit
         self._channel = f"{key_prefix}:grant:"
-        self._redis: aioredis.Redis = aioredis.from_url(url, socket_timeout=2, socket_connect_timeout=2,
-                                                        retry=_reconnect_once())
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=_POOL_SIZE, timeout=None, socket_timeout=2, socket_connect_timeout=2,
+            retry=_reconnect_once(), client_name=f"slotproxy-{self.replica}")
+        self._redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
         self._scripts = {name: self._redis.register_script(getattr(lua, name)) for name in lua.__all__}
         self._settings: dict[str, LimiterSettings] = {}
         self._configured: set[str] = set()
@@ -168,6 +181,7 @@ class RedisBackend:
         self._snapshot: dict[str, ProviderStatus] = {}
         self._reclaims: dict[str, int] = {}
         self._local = MemoryBackend(self.clock)
+        self._deadlines: Deadlines[_Waiter] = Deadlines(self.clock, self._expire)
         self.healthy = True
         self.error: str | None = None
         self._closed = False
@@ -195,7 +209,7 @@ class RedisBackend:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._redis.aclose()
+        await self._redis.aclose(close_connection_pool=True)
 
     def _spawn(self, coro: Any, *, keep: bool = False) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -261,8 +275,9 @@ class RedisBackend:
         recovery_ms = int((settings.recovery_after or 0) * 1000)
         others = provider in self._configured or await self._other_replicas_listening()
         settle_ms = int(2 * self._renew_every * 1000) if others else 0
+        recovering = policy.recovering_notice("{N}", "{TARGET}", settings.recovery_after or 0.0)
         done = await self._guarded("CONFIGURE", provider, _limit_arg(settings.limit),
-                                   int(settings.release_cooldown * 1000), int(settings.default_pause * 1000),
+                                   int(settings.release_cooldown * 1000), recovering,
                                    recovery_ms, self._lease_ttl_ms, self._channel, settle_ms)
         if done is not None:
             self._configured.add(provider)
@@ -284,29 +299,31 @@ class RedisBackend:
     def has_provider(self, name: str) -> bool:
         return name in self._settings
 
+    def usage_limiter(self, provider: str) -> None:
+        """The usage gate counts this process's slots only: with several replicas it has nothing to attach to."""
+        return
+
     # ----- acquire ---------------------------------------------------------------
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
         settings = self._settings.get(provider)
         if settings is None:
-            raise UnknownProvider(f"unknown provider '{provider}'")
+            raise UnknownProvider.named(provider)
         if not self.healthy and self._mode == "local":
             return await self._local.acquire(provider, priority, seq=seq)
         loop = asyncio.get_running_loop()
         waiter_id = f"{self.replica}-{next(self._ids)}"
         waiter = _Waiter(loop.create_future(), provider, priority, loop.time())
         self._waiters[waiter_id] = waiter
+        if settings.queue_timeout is not None:
+            self._deadlines.add(waiter, self.clock.time() + settings.queue_timeout)
         granted: SlotLease | None = None
         try:
-            async with asyncio.timeout(settings.queue_timeout):
-                granted = await self._wait_for_grant(waiter_id, waiter, settings, seq)
+            granted = await self._wait_for_grant(waiter_id, waiter, settings, seq)
             return granted
-        except TimeoutError:
-            raise QueueTimeout(
-                f"waited longer than queue_timeout ({settings.queue_timeout:g}s) for a slot on provider "
-                f"'{provider}'; retry later", retry_after=1.0) from None
         finally:
             del self._waiters[waiter_id]
+            self._deadlines.settle(len(self._waiters))
             if granted is None:
                 self._abandon(waiter_id, waiter)
 
@@ -318,7 +335,32 @@ class RedisBackend:
             return
         if not waiter.future.done():
             waiter.future.cancel()
-        self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel, "0"))
+        if not waiter.expiring:  # an expired waiter's CANCEL is already on its way
+            self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel,
+                                      "0", "0"))
+
+    def _expire(self, waiter: _Waiter) -> None:
+        """queue_timeout passed: leave the queue in Redis (counted there), then answer with the pause-aware hint."""
+        waiter_id = next((wid for wid, w in self._waiters.items() if w is waiter), None)
+        if waiter_id is None:
+            return
+        waiter.expiring = True
+        self._spawn(self._time_out(waiter_id, waiter))
+
+    async def _time_out(self, waiter_id: str, waiter: _Waiter) -> None:
+        settings = self._settings.get(waiter.provider)
+        hint = 1.0
+        answer = await self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel,
+                                     "0", "1")
+        if answer is not None:
+            hint = _hint_from(answer)
+        log.warning("provider=%s request from workspace=%s timed out after %.1fs in the queue", waiter.provider,
+                    waiter.priority.workspace, asyncio.get_running_loop().time() - waiter.asked_at)
+        if not waiter.future.done():
+            timeout = settings.queue_timeout if settings is not None else 0.0
+            waiter.future.set_exception(QueueTimeout(
+                f"waited longer than queue_timeout ({timeout:g}s) for a slot on provider '{waiter.provider}'; "
+                "retry later", retry_after=hint))
 
     async def _wait_for_grant(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings,
                               seq: int | None) -> SlotLease:
@@ -332,24 +374,40 @@ class RedisBackend:
                 raise
             except RedisError:
                 if self._mode == "local":
+                    waiter.local = True
                     return await self._local.acquire(waiter.provider, waiter.priority, seq=seq)
-                await asyncio.sleep(self._renew_every)
+                await self._wait_or_expire(waiter)
         status, detail, waiter.seq = int(result[0]), _text(result[1]), int(result[2])
+        if waiter.expiring:
+            # Timed out while the ENQUEUE was in flight. A grant in its answer was taken out of Redis's
+            # records, out of reach of the timeout's CANCEL: hand it back here.
+            if status == 1:
+                lease_id = detail.split(" ")[0]
+                self._spawn(self._guarded("RELEASE", waiter.provider, lease_id, waiter_id, self._lease_ttl_ms,
+                                          self._channel))
+            return await waiter.future
         if status == -1:
             raise QueueFull(f"slotproxy queue for provider '{waiter.provider}' is full ({settings.max_queue} "
-                            "waiting); retry later", retry_after=1.0)
+                            "waiting); retry later", retry_after=_hint_from(detail))
         if status == 1:
             return self._adopt(waiter_id, waiter, detail)
-        waiter.queued = True
+        waiter.in_redis = True
         self._schedule_dispatch(waiter.provider, int(detail))
         return await waiter.future
+
+    async def _wait_or_expire(self, waiter: _Waiter) -> None:
+        """Redis is unreachable (fail_closed): wait a renew interval, or until the queue deadline answers."""
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter.future), self._renew_every)
+        except TimeoutError:
+            return
 
     async def _enqueue(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings) -> Any:
         """ENQUEUE is idempotent per waiter id: a repeat keeps one entry, or returns the grant already made.
         A Redis that lost the provider's settings is configured again first."""
         priority = waiter.priority
         args = (waiter_id, self.replica, priority.workspace, "1" if priority.starred else "0",
-                int(priority.prompt_started_at * 1000), priority.conversation or "",
+                policy.prompt_ms(priority.prompt_started_at), priority.conversation or "",
                 "" if waiter.seq is None else waiter.seq, self._lease_ttl_ms, self._waiter_ttl_ms,
                 settings.max_queue, self._channel)
         result = await self._run("ENQUEUE", waiter.provider, *args)
@@ -385,7 +443,7 @@ class RedisBackend:
         if lease_id in self._leases:
             return
         waiter = self._waiters.get(waiter_id)
-        if waiter is None or waiter.future.done():
+        if waiter is None or waiter.future.done() or waiter.expiring:
             if picked_up_for is not None:
                 self._spawn(self._guarded("RELEASE", picked_up_for, lease_id, waiter_id,
                                           self._lease_ttl_ms, self._channel))
@@ -453,7 +511,7 @@ class RedisBackend:
         for provider in list(self._settings):
             leases = [lease for lease in self._leases.values() if lease.provider == provider]
             waiters = [wid for wid, w in self._waiters.items()
-                       if w.provider == provider and w.queued and not w.future.done()]
+                       if w.provider == provider and w.in_redis and w.queued]
             sent_at = asyncio.get_running_loop().time()
             result = await self._run("RENEW", provider, self._lease_ttl_ms, self._waiter_ttl_ms, self._channel,
                                      len(leases), *(lease.lease_id for lease in leases),
@@ -480,7 +538,7 @@ class RedisBackend:
         """A queued waiter Redis no longer knows (its heartbeat lapsed, or Redis restarted empty)
         is put back with its original priority and arrival number."""
         waiter = self._waiters.get(waiter_id)
-        if waiter is None or waiter.future.done():
+        if waiter is None or not waiter.queued:
             return
         self._spawn(self._requeue(waiter_id, waiter))
 
@@ -495,20 +553,24 @@ class RedisBackend:
             # Served or gone while this ENQUEUE was in flight: take the new queue entry out again,
             # but never the slot the waiter holds under the same id.
             keep = "1" if waiter_id in self._leases else "0"
-            self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel, keep))
+            self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel, keep,
+                                      "0"))
 
     # ----- control ---------------------------------------------------------------
 
     def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float) -> None:
-        wait_ms = -1 if wait is None else int(wait * 1000)
-        template = auto_reduce_notice("{N}", cause)
+        settings = self._settings.get(provider)
+        if settings is None:
+            return
+        wait_ms = int(policy.pause_length(wait, settings.default_pause) * 1000)
+        template = policy.auto_reduce_notice("{N}", cause)
         self._spawn(self._guarded("BACKOFF", provider, cause, wait_ms, int(sent_at * 1000), template))
         if not self.healthy:
             self._local.report_backoff(provider, cause, wait, sent_at)
 
     def set_limit(self, provider: str, limit: int | None) -> None:
         self._require(provider)
-        validate_limit(limit)
+        policy.validate_limit(limit)
         self._spawn(self._guarded("SET_LIMIT", provider, _limit_arg(limit), self._lease_ttl_ms, self._channel))
 
     def set_cooldown(self, provider: str, seconds: float) -> None:
@@ -539,11 +601,11 @@ class RedisBackend:
 
     def _require(self, provider: str) -> None:
         if provider not in self._settings:
-            raise UnknownProvider(f"unknown provider '{provider}'")
+            raise UnknownProvider.named(provider)
 
     # ----- observing -------------------------------------------------------------
 
-    async def refresh(self) -> None:
+    async def refresh(self, *, queue_detail: bool = True) -> None:
         """Read every provider's shared state from Redis into the snapshot that status and metrics read.
 
         A provider whose state cannot be read loses its snapshot rather than showing an old one as
@@ -551,10 +613,11 @@ class RedisBackend:
         One that Redis has no settings for (it lost its data) is configured again first."""
         for provider in list(self._settings):
             try:
-                result = await self._run("STATS", provider, _QUEUE_LISTED)
+                listed = policy.QUEUE_LISTED if queue_detail else 0
+                result = await self._run("STATS", provider, listed)
                 if b"configured_limit" not in result[0][::2]:
                     await self._configure_one(provider)
-                    result = await self._run("STATS", provider, _QUEUE_LISTED)
+                    result = await self._run("STATS", provider, listed)
             except RedisError:
                 self._snapshot.pop(provider, None)
                 continue
@@ -572,8 +635,7 @@ class RedisBackend:
             queue.append(WaiterStatus(workspace=info["w"], starred=bool(info["starred"]),
                                       prompt_started_at=int(info["p"]), waited_ms=now - int(info["t"]),
                                       conversation=info["c"] or None))
-        counters = {name: int(cfg.get(name, "0") or 0) for name in
-                    ("granted", "backoffs", "auto_reductions", "queue_full")}
+        counters = {name: int(cfg.get(name, "0") or 0) for name in policy.COUNTERS}
         counters["reclaims"] = self._reclaims.get(provider, 0)
         return ProviderStatus(
             provider=provider,
@@ -592,20 +654,24 @@ class RedisBackend:
         )
 
     def statistics(self, *, queue_detail: bool = True) -> list[ProviderStatus]:
-        return [self.provider_status(name) for name in self._settings]
+        statuses = [self.provider_status(name) for name in self._settings]
+        return statuses if queue_detail else [replace(status, queue=()) for status in statuses]
 
     def provider_status(self, provider: str) -> ProviderStatus:
         self._require(provider)
         if not self.healthy and self._mode == "local":
-            return self._local.provider_status(provider)
-        status = self._snapshot.get(provider)
-        if status is None:
-            settings = self._settings[provider]
-            status = ProviderStatus(provider=provider, limit=settings.limit, configured_limit=settings.limit,
-                                    in_flight=self.local_in_flight(provider), queued=0, paused=False,
-                                    paused_until=None, cooldown_ms=int(settings.release_cooldown * 1000),
-                                    auto_reduced=False, auto_reduced_from=None, notice=None)
-        return status
+            status = self._local.provider_status(provider)
+        else:
+            status = self._snapshot.get(provider) or self._unread_status(provider)
+        return replace(status, local_in_flight=self.local_in_flight(provider))
+
+    def _unread_status(self, provider: str) -> ProviderStatus:
+        """Before Redis answered (or while it does not): the settings, and this replica's own slots."""
+        settings = self._settings[provider]
+        return ProviderStatus(provider=provider, limit=settings.limit, configured_limit=settings.limit,
+                              in_flight=self.local_in_flight(provider), queued=0, paused=False,
+                              paused_until=None, cooldown_ms=int(settings.release_cooldown * 1000),
+                              auto_reduced=False, auto_reduced_from=None, notice=None)
 
     def local_in_flight(self, provider: str) -> int:
         return sum(1 for lease in self._leases.values() if lease.provider == provider)
@@ -643,6 +709,12 @@ def _reconnect_once() -> Retry:
     is safe: ENQUEUE is idempotent per waiter id, RELEASE and CANCEL per lease, and a repeated
     BACKOFF falls in the same pause (no second reduction); at worst a counter counts it twice."""
     return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+
+
+def _hint_from(answer: Any) -> float:
+    """Retry-After from a script's "paused_until now" (ms), by the policy's rule."""
+    paused_until, now = (int(part) for part in _text(answer).split(" "))
+    return policy.retry_after_hint(now / 1000, paused_until / 1000 if paused_until else None)
 
 
 def _limit_arg(limit: int | None) -> str:

@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from ..limiter.policy import MAX_LIMIT, validate_limit
+
 __all__ = [
     "RESERVED_PROVIDER_IDS",
     "Access",
@@ -298,11 +300,17 @@ def _check_origin(value: str) -> str:
     return value
 
 
+def _checked_limit(value: object) -> int | None:
+    """The limiter's own rule (``policy.validate_limit``), in the config's words."""
+    try:
+        return validate_limit(value)
+    except ValueError:
+        raise ValueError("must be a positive integer or null") from None
+
+
 _URL_SCHEMA = WithJsonSchema({"type": "string", "format": "uri", "pattern": "^https?://"})
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-MAX_LIMIT = 100_000
-"""The largest concurrency limit accepted, here and in the admin API."""
 
 if TYPE_CHECKING:
     Limit: TypeAlias = int | None
@@ -312,7 +320,8 @@ if TYPE_CHECKING:
     Status: TypeAlias = int
     ConnectionCount: TypeAlias = int
 else:
-    Limit = _int_type("must be a positive integer or null", 1, MAX_LIMIT, nullable=True)
+    Limit = Annotated[int | None, BeforeValidator(_checked_limit), WithJsonSchema(
+        {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_LIMIT}, {"type": "null"}]})]
     PositiveIntOrNull = Limit
     Port = _int_type("must be a port number from 0 to 65535", 0, 65535)
     Count = _int_type("must be a whole number, 0 or more", 0)

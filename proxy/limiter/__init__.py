@@ -1,6 +1,14 @@
 """The pure limiter core: no aiohttp, no I/O; time and timers come from an injected Clock."""
 
 from .clock import Clock, FakeClock, LoopClock, Timer
+from .policy import (
+    MAX_LIMIT,
+    QUEUE_LISTED,
+    LimitKey,
+    auto_reduce_notice,
+    recovering_notice,
+    validate_limit,
+)
 from .provider import (
     AdmissionGate,
     Lease,
@@ -9,16 +17,17 @@ from .provider import (
     ProviderStatus,
     SlotLease,
     WaiterStatus,
-    auto_reduce_notice,
-    validate_limit,
 )
 from .queue import Priority, Waiter, WaiterQueue
 
 __all__ = [
+    "MAX_LIMIT",
+    "QUEUE_LISTED",
     "AdmissionGate",
     "Clock",
     "FakeClock",
     "Lease",
+    "LimitKey",
     "LimiterSettings",
     "LoopClock",
     "Priority",
@@ -30,5 +39,6 @@ __all__ = [
     "WaiterQueue",
     "WaiterStatus",
     "auto_reduce_notice",
+    "recovering_notice",
     "validate_limit",
 ]

@@ -1,4 +1,4 @@
-"""Queue timeouts with one timer per provider, not one per waiter.
+"""Queue timeouts with one timer per queue, not one per waiter (both backends use it).
 
 Deadlines sit in a min-heap and one timer is armed for the earliest. A waiter
 that leaves early (granted, cancelled) is not searched for: it is skipped when it
@@ -9,28 +9,38 @@ when it leaves, so what lingers is small.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
 
 from .clock import Clock, Timer
-from .queue import Waiter
 
-__all__ = ["Deadlines"]
+__all__ = ["Deadlines", "Expiring"]
 
 
-class Deadlines:
-    def __init__(self, clock: Clock, on_due: Callable[[Waiter], None]) -> None:
+class Expiring(Protocol):
+    @property
+    def queued(self) -> bool:
+        """Still waiting: False once granted, cancelled or expired."""
+
+
+W = TypeVar("W", bound=Expiring)
+
+
+class Deadlines(Generic[W]):
+    def __init__(self, clock: Clock, on_due: Callable[[W], None]) -> None:
         self._clock = clock
         self._on_due = on_due
-        self._heap: list[tuple[float, int, Waiter]] = []
+        self._order = itertools.count()
+        self._heap: list[tuple[float, int, W]] = []
         self._timer: Timer | None = None
         self._armed_for: float | None = None
 
     def __len__(self) -> int:
         return len(self._heap)
 
-    def add(self, waiter: Waiter, deadline: float) -> None:
-        waiter.deadline = deadline
-        heapq.heappush(self._heap, (deadline, waiter.seq, waiter))
+    def add(self, waiter: W, deadline: float) -> None:
+        heapq.heappush(self._heap, (deadline, next(self._order), waiter))
         if self._armed_for is None or deadline < self._armed_for:
             self._arm(deadline)
 

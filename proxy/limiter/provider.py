@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..errors import ProxyError, QueueFull, QueueTimeout
+from . import policy
 from .clock import Clock, Timer
 from .deadlines import Deadlines
+from .policy import QUEUE_LISTED, auto_reduce_notice, validate_limit
 from .queue import Priority, Waiter, WaiterQueue
 
 __all__ = [
@@ -28,27 +30,9 @@ __all__ = [
     "ProviderStatus",
     "SlotLease",
     "WaiterStatus",
-    "auto_reduce_notice",
-    "validate_limit",
 ]
 
 log = logging.getLogger("slotproxy.limiter")
-
-QUEUE_LISTED = 1000
-"""Waiters listed in a status snapshot: the head of the queue, so status stays cheap with 10 000 waiting."""
-
-
-def auto_reduce_notice(limit: int | str, cause: str) -> str:
-    return f"Concurrency limit auto-reduced to {limit} after a {cause} — restore manually when ready."
-
-
-def validate_limit(limit: object) -> int | None:
-    if limit is None:
-        return None
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-        raise ValueError(f"limit must be a positive integer or null, got {limit!r}")
-    return limit
-
 
 @dataclass(frozen=True, slots=True)
 class LimiterSettings:
@@ -156,6 +140,8 @@ class ProviderStatus:
     queue: tuple[WaiterStatus, ...] = ()
     counters: dict[str, int] = field(default_factory=dict)
     usage: dict[str, object] | None = None
+    local_in_flight: int | None = None
+    """Slots held by this replica, where slots are shared by several (the Redis backend)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -185,6 +171,7 @@ class ProviderStatus:
                 "queue_full": self.counters.get("queue_full", 0),
                 "queue_timeout": self.counters.get("queue_timeouts", 0),
             },
+            **({} if self.local_in_flight is None else {"local_in_flight": self.local_in_flight}),
         }
 
 
@@ -212,7 +199,7 @@ class ProviderLimiter:
         self._cooldown = settings.release_cooldown
         self._starred = frozenset(starred)
         self._queue = WaiterQueue()
-        self._deadlines = Deadlines(clock, self._expire)
+        self._deadlines: Deadlines[Waiter] = Deadlines(clock, self._expire)
         self._arrivals = itertools.count()
         self._held = 0
         self._cooling = 0
@@ -227,14 +214,7 @@ class ProviderLimiter:
         self._active: set[Lease] = set()
         self.gate: AdmissionGate | None = None
         self.on_change: Callable[[], None] | None = None
-        self.counters = {
-            "granted": 0,
-            "queue_full": 0,
-            "queue_timeouts": 0,
-            "reclaims": 0,
-            "backoffs": 0,
-            "auto_reductions": 0,
-        }
+        self.counters = dict.fromkeys(policy.COUNTERS, 0)
 
     # ----- admission -------------------------------------------------------------
 
@@ -324,9 +304,7 @@ class ProviderLimiter:
         return count
 
     def _retry_after_hint(self) -> float:
-        if self._paused_until is not None:
-            return max(1.0, self._paused_until - self._clock.time())
-        return 1.0
+        return policy.retry_after_hint(self._clock.time(), self._paused_until)
 
     # ----- granting --------------------------------------------------------------
 
@@ -448,9 +426,9 @@ class ProviderLimiter:
         429 extends the pause but does not lower the limit again.
         """
         now = self._clock.time()
-        pause = self._settings.default_pause if wait is None else max(0.0, wait)
+        pause = policy.pause_length(wait, self._settings.default_pause)
         self.counters["backoffs"] += 1
-        same_burst = self.paused() or (sent_at is not None and sent_at <= self._last_reduction_at)
+        same_burst = policy.same_burst(now, self._paused_until, sent_at, self._last_reduction_at)
         self._pause_until(now + pause, cause)
         self._quiet_since = now
         if not same_burst:
@@ -475,11 +453,12 @@ class ProviderLimiter:
         self._dispatch()
 
     def _auto_reduce(self, cause: str) -> None:
-        if self._limit is None or self._limit <= 1:
+        reduced = policy.reduced_limit(self._limit)
+        if reduced is None:
             return
         if self._auto_reduced_from is None:
             self._auto_reduced_from = self._limit
-        self._limit -= 1
+        self._limit = reduced
         self._notice = auto_reduce_notice(self._limit, cause)
         self.counters["auto_reductions"] += 1
         log.warning("provider=%s %s", self.name, self._notice)
@@ -503,16 +482,13 @@ class ProviderLimiter:
         target = self._auto_reduced_from
         if target is None or self._limit is None:
             return
-        self._limit = min(target, self._limit + 1)
-        if self._limit >= target:
+        self._limit, recovered = policy.recovery_step(self._limit, target)
+        if recovered:
             self._auto_reduced_from = None
             self._notice = None
             log.info("provider=%s limit recovered to %d; auto-reduction cleared", self.name, self._limit)
         else:
-            self._notice = (
-                f"Concurrency limit auto-reduced, recovering: now {self._limit} of {target} "
-                f"after {self._settings.recovery_after:g}s without a backoff."
-            )
+            self._notice = policy.recovering_notice(self._limit, target, self._settings.recovery_after or 0.0)
             log.info("provider=%s limit recovering to %d of %d", self.name, self._limit, target)
             self._arm_recovery()
         self._dispatch()
@@ -557,10 +533,6 @@ class ProviderLimiter:
             self._arm_recovery()
         self._dispatch()
 
-    @property
-    def settings(self) -> LimiterSettings:
-        return self._settings
-
     def export_state(self) -> dict[str, Any]:
         return {
             "limit": self._limit,
@@ -604,7 +576,7 @@ class ProviderLimiter:
                 WaiterStatus(
                     workspace=w.priority.workspace,
                     starred=w.starred,
-                    prompt_started_at=_ms(w.priority.prompt_started_at),
+                    prompt_started_at=policy.prompt_ms(w.priority.prompt_started_at),
                     waited_ms=_ms(now - w.enqueued_at),
                     conversation=w.priority.conversation,
                 )

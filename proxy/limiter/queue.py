@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .policy import queue_key
+
 __all__ = ["Priority", "Waiter", "WaiterQueue"]
 
 
@@ -34,7 +36,6 @@ class Waiter:
     on_reject: Callable[[Any], None] | None = None
     starred: bool = False
     queued: bool = True
-    deadline: float | None = None
 
     def forget_callbacks(self) -> None:
         """Drop the references to the caller's future once the waiter has left the queue."""
@@ -42,9 +43,8 @@ class Waiter:
         self.on_reject = None
 
     def sort_key(self) -> int:
-        """(starred, prompt start in µs, arrival) packed into one int: one C-level compare per heap step."""
-        started_us = max(0, round(self.priority.prompt_started_at * 1_000_000))
-        return ((0 if self.starred else 1) << 128) | (started_us << 64) | self.seq
+        """(starred, prompt start, arrival) packed into one int: one C-level compare per heap step."""
+        return queue_key(self.starred, self.priority.prompt_started_at, self.seq)
 
 
 def _key(entry: tuple[int, Waiter]) -> int:

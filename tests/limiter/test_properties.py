@@ -716,11 +716,12 @@ def test_usage_gate_admits_one_per_poll_and_never_past_the_limit(
 # ----- sub-millisecond prompt starts ------------------------------------------------
 
 
-# The counterexample that once failed (sort key truncated to ms), pinned.
+# The counterexample that once failed (listing rounded where the order truncated), pinned.
 @example(starts_us=[501, 0])
 @given(starts_us=st.lists(st.integers(0, 2000), min_size=2, max_size=6))
 def test_queue_listing_is_ordered_by_its_own_prompt_times_at_sub_ms_precision(starts_us: list[int]) -> None:
-    # RFC 3339 X-Prompt-Started-At values may carry microseconds.
+    # RFC 3339 X-Prompt-Started-At values may carry microseconds; both backends order (and list) whole
+    # milliseconds, ties by arrival.
     limiter = ProviderLimiter("p", LimiterSettings(limit=1, slot_timeout=None), FakeClock(T0))
     assert limiter.try_acquire(_priority(False, 0, "default")) is not None
     for us in starts_us:

@@ -1,0 +1,185 @@
+"""What a running proxy shares across requests, each job in a part of its own.
+
+``ProxyState`` swaps the config whole on reload and hands each part its share:
+
+- the backend (slots, queues, limits), built once;
+- ``Upstreams``: pooled sessions, timeouts, the provider keys to inject;
+- ``StarOverrides`` and ``StateWriter``: runtime stars and the state file;
+- ``UsagePollers``: the usage gates' poll loops;
+- ``BrowserGuard`` and ``ConnectionGuard``: who may call, and how slowly;
+- the request count that graceful shutdown waits on.
+
+The status document (``admin.status``) and the HTTP layer read these parts; none
+of them imports the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+
+from .access import ClientKeys
+from .admin.metrics import Metrics
+from .admin.throttle import AuthFailures
+from .backends import Backend, MemoryBackend
+from .config import Config, ProviderSettings
+from .connections import ConnectionGuard, ConnectionSettings
+from .guard import BrowserGuard
+from .headers import PriorityHeaders
+from .limiter import LimiterSettings, SlotLease
+from .state import StarOverrides, StateStore, StateWriter
+from .upstreams import Upstreams
+from .usage import UsagePollers
+
+__all__ = ["ProxyState", "limiter_settings", "make_backend"]
+
+log = logging.getLogger("slotproxy")
+
+
+def limiter_settings(settings: ProviderSettings) -> LimiterSettings:
+    return LimiterSettings(
+        limit=settings.limit,
+        release_cooldown=settings.release_cooldown,
+        default_pause=settings.default_pause,
+        slot_timeout=settings.slot_timeout,
+        queue_timeout=settings.queue_timeout,
+        max_queue=settings.max_queue,
+        recovery_after=settings.recovery.after if settings.recovery is not None else None,
+    )
+
+
+class ProxyState:
+    """The running proxy's parts, and the config they were last given."""
+
+    def __init__(self, config: Config, *, config_path: str | None = None, backend: Backend | None = None) -> None:
+        self.config_path = config_path
+        self.config_error: str | None = None
+        self.backend: Backend = backend or make_backend(config)
+        self.metrics = Metrics(lambda: self.backend.statistics(queue_detail=False), self.backend.backend_status)
+        self.upstreams = Upstreams()
+        self.stars = StarOverrides()
+        self.state_file = StateWriter(StateStore(_state_path(config, config_path)), self._runtime_state)
+        self.pollers = UsagePollers()
+        self.listen_host = config.server.host
+        self.connections = ConnectionGuard()
+        self.admin_failures = AuthFailures(time.monotonic)
+        self.shutting_down = False
+        self.active_requests = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.config = config
+        restored = self.state_file.store.load()
+        if restored is not None:
+            self.stars.load(restored.get("star_overrides"), config.workspaces.starred)
+        self.apply(config)
+        if restored is not None:
+            for name, entry in (restored.get("providers") or {}).items():
+                if isinstance(entry, dict) and self.backend.has_provider(name):
+                    self.backend.restore_state(name, entry)
+            log.info("runtime state restored from %s", self.state_file.store.path)
+        self.backend.on_change = self.state_file.schedule
+
+    def apply(self, config: Config) -> None:
+        """Swap in a validated config; the backend keeps everything queued and in flight."""
+        providers = {name: config.provider(name) for name in config.provider_names()}
+        self.upstreams.configure(providers)
+        self.client_keys = ClientKeys.from_env(config.access.keys_env, os.environ)
+        for warning in config.warnings(os.environ):
+            log.warning("%s", warning)
+        names = config.headers
+        self.priority_headers = PriorityHeaders(
+            workspace=names.workspace, starred=names.starred, prompt_started_at=names.prompt_started_at,
+            conversation=names.conversation, max_prompt_age=names.max_prompt_age,
+        )
+        self.strip_headers = self.priority_headers.names()
+        server = config.server
+        self.browser = BrowserGuard.for_listener(self.listen_host, server.allowed_hosts, server.allowed_origins)
+        self.connections.configure(ConnectionSettings(
+            header_timeout=server.header_timeout, write_timeout=server.write_timeout,
+            max_connections=server.max_connections))
+        self.stars.yaml_changed(self.config.workspaces.starred, config.workspaces.starred)
+        self.backend.configure(
+            {name: limiter_settings(settings) for name, settings in providers.items()},
+            self.stars.effective(config.workspaces.starred),
+        )
+        self._providers = providers
+        self.config = config
+        self.loaded_at = time.time()
+        self.pollers.sync(providers, self.backend, self.upstreams.session_for)
+
+    def listen_on(self, host: str) -> None:
+        """The address the server is bound to decides the Host rule (loopback or not)."""
+        self.listen_host = host
+        server = self.config.server
+        self.browser = BrowserGuard.for_listener(host, server.allowed_hosts, server.allowed_origins)
+
+    def set_star(self, workspace: str, starred: bool) -> frozenset[str]:
+        """Star or unstar at runtime (``TooManyStars`` past the cap); returns the starred set now in force."""
+        self.stars.set(workspace, starred, self.config.workspaces.starred)
+        stars = self.stars.effective(self.config.workspaces.starred)
+        self.backend.set_starred(stars)
+        log.info("workspace=%s %s via the admin API", workspace, "starred" if starred else "unstarred")
+        self.state_file.schedule()
+        return stars
+
+    def _runtime_state(self) -> dict[str, object]:
+        return {"providers": self.backend.export_state(), "star_overrides": self.stars.as_dict()}
+
+    def request_started(self) -> None:
+        self.active_requests += 1
+        self.idle.clear()
+
+    def request_finished(self) -> None:
+        self.active_requests -= 1
+        if self.active_requests == 0:
+            self.idle.set()
+
+    def provider(self, name: str) -> ProviderSettings | None:
+        return self._providers.get(name)
+
+    def provider_names(self) -> list[str]:
+        return list(self._providers)
+
+    def observe_grant(self, provider: str, lease: SlotLease) -> None:
+        self.metrics.observe_wait(provider, lease.queue_wait)
+        if lease.queue_wait >= self.config.logging.slow_grant:
+            log.info(
+                "provider=%s granted a slot after %.1fs in the queue (workspace=%s conversation=%s)",
+                provider, lease.queue_wait, lease.priority.workspace, lease.priority.conversation or "-",
+            )
+
+    async def start(self) -> None:
+        """Connect the backend (Redis) before the first request is served."""
+        await self.backend.start()
+
+    async def close(self) -> None:
+        await self.pollers.close()
+        await self.upstreams.close()
+        await self.backend.close()
+
+
+def make_backend(config: Config) -> Backend:
+    if config.backend.kind == "redis":
+        from .backends.redis import RedisBackend
+
+        return RedisBackend(
+            config.backend.url,
+            key_prefix=config.backend.key_prefix,
+            lease_ttl=config.backend.lease_ttl,
+            on_backend_error=config.backend.on_backend_error,
+            local_limit=config.backend.local_limit,
+        )
+    return MemoryBackend()
+
+
+def _state_path(config: Config, config_path: str | None) -> Path | None:
+    """A relative state path is taken relative to the config file, like nginx's prefix."""
+    if config.state.path is None:
+        return None
+    path = Path(config.state.path)
+    if not path.is_absolute() and config_path is not None:
+        path = Path(config_path).resolve().parent / path
+    return path

@@ -1,0 +1,367 @@
+"""The policy in Python and the policy in Lua, held together: one table of event sequences, two backends.
+
+Each scenario is run on the memory backend over a fake clock (the policy applied
+directly) and on the Redis backend against a real Redis (the Lua scripts, real
+time, short waits). After each checkpoint both status objects are compared field
+by field, counters included, and the fields the scenario names are pinned to
+literal values, notice texts included. Rejections are compared by type and by
+the Retry-After header they would carry.
+
+The rules compared: admission at the limit, the same-burst rule, one reduction
+per burst, recovery steps and their notices, pause lengths (stated and default),
+release cooldown, queue timeouts and queue-full (counted, with the pause-aware
+hint), queue order (starred, prompt start in whole ms, then arrival) and the
+queue listing's length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from proxy.backends import MemoryBackend
+from proxy.backends.redis import RedisBackend
+from proxy.errors import ProxyError
+from proxy.limiter import QUEUE_LISTED, FakeClock, LimiterSettings, Priority, SlotLease
+
+from .conftest import REDIS_URL, require_redis
+
+pytestmark = pytest.mark.asyncio
+
+T0 = 1_800_000_000.0
+P = "p"
+
+
+# --- the two sides -----------------------------------------------------------------
+
+
+@dataclass
+class Side:
+    name: str
+    backend: Any
+    base: float
+    clock: FakeClock | None = None
+    leases: dict[str, SlotLease] = field(default_factory=dict)
+    waiting: dict[str, asyncio.Task[SlotLease]] = field(default_factory=dict)
+    rejected: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+
+    def now(self) -> float:
+        return self.clock.time() if self.clock is not None else time.time()
+
+    async def settle(self) -> None:
+        await self.backend.flush()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        for name, task in list(self.waiting.items()):
+            if task.done():
+                del self.waiting[name]
+                error = task.exception()
+                if error is None:
+                    self.leases[name] = task.result()
+                else:
+                    assert isinstance(error, ProxyError), error
+                    retry = None if error.retry_after is None else max(1, math.ceil(error.retry_after))
+                    self.rejected[name] = (type(error).__name__, retry)
+
+    async def advance(self, seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.advance(seconds)
+        else:
+            await asyncio.sleep(seconds)
+        await self.settle()
+
+    async def status(self) -> dict[str, Any]:
+        await self.settle()
+        await self.backend.refresh()
+        status = self.backend.provider_status(P)
+        doc = status.to_dict()
+        doc.pop("local_in_flight", None)
+        doc["paused_until"] = doc["paused_until"] is not None
+        base_ms = math.floor(self.base * 1000)
+        doc["queue"] = [{**w, "prompt_started_at": w["prompt_started_at"] - base_ms, "waited_ms": None}
+                        for w in doc["queue"]]
+        doc["counters"] = dict(status.counters)
+        return doc
+
+
+async def memory_side() -> Side:
+    clock = FakeClock(T0)
+    return Side("memory", MemoryBackend(clock), T0, clock)
+
+
+async def redis_side(prefix: str) -> Side:
+    require_redis()
+    backend = RedisBackend(REDIS_URL, key_prefix=prefix, lease_ttl=2.0)
+    await backend.start()
+    return Side("redis", backend, time.time())
+
+
+# --- steps ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Configure:
+    settings: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Acquire:
+    """A request arrives, its prompt ``age`` seconds older than the side's start (a whole ms), starred or not."""
+
+    name: str
+    age: float = 0.0
+    starred: bool = False
+    workspace: str = "default"
+
+
+@dataclass(frozen=True)
+class Release:
+    name: str
+
+
+@dataclass(frozen=True)
+class Backoff:
+    cause: str
+    wait: float | None
+    sent_by: str | None = None
+
+
+@dataclass(frozen=True)
+class SetLimit:
+    limit: int | None
+
+
+@dataclass(frozen=True)
+class Advance:
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Compare both sides; ``pinned`` fields must also equal these literal values."""
+
+    pinned: dict[str, Any] = field(default_factory=dict)
+    held: tuple[str, ...] | None = None
+    rejected: dict[str, tuple[str, int | None]] | None = None
+
+
+async def apply(side: Side, step: Any, prefix_settings: dict[str, Any]) -> None:
+    backend = side.backend
+    if isinstance(step, Configure):
+        backend.configure({P: LimiterSettings(**{**prefix_settings, **step.settings})}, frozenset())
+    elif isinstance(step, Acquire):
+        started = math.floor(side.base * 1000) / 1000 - step.age
+        priority = Priority(prompt_started_at=started, workspace=step.workspace, starred=step.starred)
+        before = await _queued(side)
+        side.waiting[step.name] = asyncio.create_task(backend.acquire(P, priority))
+        for _ in range(200):  # granted, rejected or queued before the next step: arrival order is the steps'
+            await side.settle()
+            if step.name not in side.waiting or await _queued(side) > before:
+                break
+            await asyncio.sleep(0.01)
+    elif isinstance(step, Release):
+        side.leases.pop(step.name).release()
+    elif isinstance(step, Backoff):
+        sent_at = side.leases[step.sent_by].granted_at if step.sent_by else side.now()
+        backend.report_backoff(P, step.cause, step.wait, sent_at)
+    elif isinstance(step, SetLimit):
+        backend.set_limit(P, step.limit)
+    elif isinstance(step, Advance):
+        await side.advance(step.seconds)
+    await side.settle()
+
+
+async def _queued(side: Side) -> int:
+    await side.backend.refresh()
+    return side.backend.provider_status(P).queued
+
+
+async def run(scenario: list[Any], prefix: str, base_settings: dict[str, Any] | None = None) -> None:
+    settings = {"slot_timeout": None, "default_pause": 30.0, **(base_settings or {})}
+    sides = [await memory_side(), await redis_side(prefix)]
+    try:
+        for number, step in enumerate(scenario):
+            if isinstance(step, Expect):
+                await expect(sides, step, number)
+                continue
+            await asyncio.gather(*(apply(side, step, settings) for side in sides))
+    finally:
+        for side in sides:
+            for task in side.waiting.values():
+                task.cancel()
+            await asyncio.gather(*side.waiting.values(), return_exceptions=True)
+            for lease in side.leases.values():
+                lease.release()
+            await side.backend.close()
+
+
+async def expect(sides: list[Side], step: Expect, number: int) -> None:
+    """Memory answers at once; Redis may need a renew round for a grant to land: poll it a little."""
+    memory, redis_ = sides
+    wanted = await memory.status()
+    for key, value in step.pinned.items():
+        assert wanted[key] == value, f"step {number}: memory {key} = {wanted[key]!r}, pinned {value!r}"
+    if step.held is not None:
+        assert sorted(memory.leases) == sorted(step.held), f"step {number}: memory holds {sorted(memory.leases)}"
+    if step.rejected is not None:
+        assert memory.rejected == step.rejected, f"step {number}: memory rejected {memory.rejected}"
+    got: dict[str, Any] = {}
+    for _ in range(60):
+        got = await redis_.status()
+        same = got == wanted and (step.held is None or sorted(redis_.leases) == sorted(step.held)) \
+            and (step.rejected is None or redis_.rejected == step.rejected)
+        if same:
+            return
+        await asyncio.sleep(0.05)
+    diff = {k: (wanted.get(k), got.get(k)) for k in set(wanted) | set(got) if wanted.get(k) != got.get(k)}
+    raise AssertionError(f"step {number}: memory and redis differ (memory, redis): {diff}; "
+                         f"held {sorted(memory.leases)} vs {sorted(redis_.leases)}; "
+                         f"rejected {memory.rejected} vs {redis_.rejected}")
+
+
+def notice_reduced(limit: int, cause: str) -> str:
+    return f"Concurrency limit auto-reduced to {limit} after a {cause} — restore manually when ready."
+
+
+# --- the table -----------------------------------------------------------------------
+
+SCENARIOS: dict[str, tuple[list[Any], dict[str, Any]]] = {
+    "admission at the limit, then a release hands the slot on": ([
+        Configure({"limit": 2}),
+        Acquire("a"), Acquire("b"), Acquire("c"),
+        Expect({"in_flight": 2, "queued": 1, "limit": 2, "configured_limit": 2}, held=("a", "b")),
+        Release("a"),
+        Expect({"in_flight": 2, "queued": 0, "counters": {"granted": 3, "queue_full": 0, "queue_timeouts": 0,
+                                                          "reclaims": 0, "backoffs": 0, "auto_reductions": 0}},
+               held=("b", "c")),
+    ], {}),
+    "one burst of 429s lowers the limit once, with the notice": ([
+        Configure({"limit": 3}),
+        Acquire("a"), Acquire("b"), Acquire("c"),
+        Backoff("429", 0.3, "a"), Backoff("429", 0.3, "b"), Backoff("429", 0.3, "c"),
+        Expect({"limit": 2, "configured_limit": 3, "auto_reduced": True, "auto_reduced_from": 3, "paused": True,
+                "paused_until": True, "notice": notice_reduced(2, "429")}),
+        Release("a"), Release("b"), Release("c"),
+        Advance(0.4),
+        Expect({"paused": False, "paused_until": False, "limit": 2}),
+        Acquire("d"),
+        Backoff("429", 0.2, "d"),  # granted after the reduction: a new burst
+        Expect({"limit": 1, "auto_reduced_from": 3, "notice": notice_reduced(1, "429")}),
+    ], {}),
+    "a 429 from a request granted before the reduction extends the pause only": ([
+        Configure({"limit": 4}),
+        Acquire("a"), Acquire("b"),
+        Backoff("429", 0.2, "a"),
+        Advance(0.3),
+        Backoff("529", 0.2, "b"),
+        Expect({"limit": 3, "paused": True, "notice": notice_reduced(3, "429")}),
+    ], {}),
+    "no stated wait pauses for default_pause": ([
+        Configure({"limit": 2, "default_pause": 0.3}),
+        Backoff("529", None),
+        Expect({"paused": True, "limit": 1, "notice": notice_reduced(1, "529")}),
+        Advance(0.4),
+        Expect({"paused": False}),
+    ], {}),
+    "recovery raises the limit step by step with the policy's notice": ([
+        Configure({"limit": 4, "recovery_after": 0.4}),
+        Acquire("a"),
+        Backoff("429", 0.05, "a"),
+        Advance(0.1),
+        Acquire("b"),
+        Backoff("429", 0.05, "b"),
+        Expect({"limit": 2, "auto_reduced_from": 4}),
+        Advance(0.5),
+        Expect({"limit": 3, "auto_reduced": True,
+                "notice": "Concurrency limit auto-reduced, recovering: now 3 of 4 after 0.4s without a backoff."}),
+        Advance(0.5),
+        Expect({"limit": 4, "auto_reduced": False, "auto_reduced_from": None, "notice": None}),
+    ], {}),
+    "a manual limit clears the reduction": ([
+        Configure({"limit": 3}),
+        Backoff("429", 0.05),
+        Expect({"limit": 2, "auto_reduced": True}),
+        SetLimit(5),
+        Expect({"limit": 5, "configured_limit": 3, "auto_reduced": False, "auto_reduced_from": None,
+                "notice": None}),
+    ], {}),
+    "release cooldown keeps the slot counted": ([
+        Configure({"limit": 1, "release_cooldown": 0.3}),
+        Acquire("a"), Release("a"), Acquire("b"),
+        Expect({"in_flight": 1, "queued": 1, "cooldown_ms": 300}, held=()),
+        Advance(0.4),
+        Expect({"in_flight": 1, "queued": 0}, held=("b",)),
+    ], {}),
+    "a queue timeout is counted and answered with the rest of the pause": ([
+        Configure({"limit": 1, "queue_timeout": 0.3}),
+        Acquire("holder"),
+        Backoff("429", 5.0, "holder"),
+        Acquire("late"),
+        Advance(0.4),
+        Expect({"queued": 0, "rejected": {"queue_full": 0, "queue_timeout": 1}},
+               rejected={"late": ("QueueTimeout", 5)}),
+    ], {}),
+    "queue full is counted, with the pause-aware hint": ([
+        Configure({"limit": 1, "max_queue": 1}),
+        Acquire("holder"),
+        Backoff("429", 7.0, "holder"),
+        Acquire("first"), Acquire("second"),
+        Expect({"queued": 1, "rejected": {"queue_full": 1, "queue_timeout": 0}},
+               rejected={"second": ("QueueFull", 7)}),
+    ], {}),
+    "order: starred, then the oldest prompt, ties at the same ms by arrival": ([
+        Configure({"limit": 1}),
+        Acquire("holder"),
+        # The same millisecond; tie-2 is 0.4 ms older, but both backends compare whole ms: arrival decides.
+        Acquire("tie-1", age=9.9994), Acquire("young", age=1.0), Acquire("tie-2", age=9.9998),
+        Acquire("star", starred=True),
+        Expect({"queued": 4}),
+        Release("holder"),
+        Expect(held=("star",)),
+        Release("star"),
+        Expect(held=("tie-1",)),
+        Release("tie-1"),
+        Expect(held=("tie-2",)),
+    ], {}),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+async def test_policy_and_lua_agree(name: str, key_prefix: str) -> None:
+    scenario, settings = SCENARIOS[name]
+    await run(scenario, key_prefix, settings)
+
+
+async def test_both_list_the_same_number_of_waiters(key_prefix: str) -> None:
+    """The status listing is the policy's QUEUE_LISTED on both (the counts are always whole)."""
+    waiters = QUEUE_LISTED + 5
+    scenario = [Configure({"limit": 1}), Acquire("holder")]
+    sides = [await memory_side(), await redis_side(key_prefix)]
+    try:
+        for step in scenario:
+            await asyncio.gather(*(apply(side, step, {"slot_timeout": None}) for side in sides))
+        for side in sides:
+            for n in range(waiters):
+                priority = Priority(prompt_started_at=side.base - n / 1000)
+                side.waiting[f"w{n}"] = asyncio.create_task(side.backend.acquire(P, priority))
+        for side in sides:
+            for _ in range(200):
+                doc = await side.status()
+                if doc["queued"] == waiters:
+                    break
+                await asyncio.sleep(0.02)
+            assert (doc["queued"], len(doc["queue"])) == (waiters, QUEUE_LISTED), side.name
+            assert doc["queue"][0]["prompt_started_at"] == -(waiters - 1)
+    finally:
+        for side in sides:
+            for task in side.waiting.values():
+                task.cancel()
+            await asyncio.gather(*side.waiting.values(), return_exceptions=True)
+            for lease in side.leases.values():
+                lease.release()
+            await side.backend.close()

@@ -1,0 +1,115 @@
+"""The package's shape: imports point one way (no cycle), and the limiter core stays pure.
+
+Read from the source with ``ast``, so an import hidden in a function or under
+``TYPE_CHECKING`` counts too. Importing ``a.b.c`` runs ``a/__init__`` and
+``a/b/__init__`` first, so those are edges as well.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "proxy"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def _resolve(current: str, is_package: bool, level: int, target: str | None) -> str:
+    base = current.split(".") if is_package else current.split(".")[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join([*base, *([target] if target else [])])
+
+
+def _with_parents(name: str) -> set[str]:
+    parts = name.split(".")
+    return {".".join(parts[:i]) for i in range(2, len(parts) + 1)} & set(MODULES)
+
+
+def imports_of(name: str) -> set[str]:
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            root = _resolve(name, path.name == "__init__.py", node.level, node.module) if node.level else node.module
+            if root is None:
+                continue
+            targets = [f"{root}.{alias.name}" if f"{root}.{alias.name}" in MODULES else root for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if target == "proxy" or target.startswith("proxy."):
+                found |= _with_parents(target)
+    found.discard(name)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycle_in_the_package() -> None:
+    # A module's own package __init__ running first is not a cycle through that module.
+    graph = {name: {t for t in imports_of(name) if not name.startswith(t + ".")} for name in MODULES}
+    cycle = find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _third_party(name: str) -> set[str]:
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_the_limiter_core_imports_no_aiohttp_and_no_redis() -> None:
+    core = {name for name in MODULES if name.startswith("proxy.limiter")}
+    reached, todo = set(), list(core)
+    while todo:
+        name = todo.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        todo += [t for t in imports_of(name) if t not in reached]
+    assert reached - core <= {"proxy", "proxy.errors"}, reached - core
+    for name in reached & set(MODULES):
+        assert not _third_party(name) & {"aiohttp", "redis", "yarl"}, name
