@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
 import sys
@@ -17,6 +16,7 @@ import yaml
 
 from . import __version__
 from .config import Config, ConfigError, config_json_schema, load_config
+from .guard import is_loopback_address
 from .logs import setup_logging
 
 __all__ = ["main"]
@@ -56,18 +56,9 @@ def _load(path: Path) -> Config:
         raise CliError(f"{path}: invalid config\n" + "\n".join(f"  {p}" for p in exc.problems)) from exc
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def check_bind(config: Config, host: str) -> None:
     """Refuse a non-loopback bind without an admin token, unless explicitly allowed."""
-    if _is_loopback(host) or config.admin.allow_unauthenticated:
+    if is_loopback_address(host) or config.admin.allow_unauthenticated:
         return
     if os.environ.get(config.admin.token_env):
         return

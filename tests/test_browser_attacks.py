@@ -23,7 +23,6 @@ behind the admin token.
 from __future__ import annotations
 
 import json
-import shutil
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,15 +32,7 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from .admin.test_dashboard import (
-    ARTIFACTS,
-    CHROMIUM,
-    CHROMIUM_ARGS,
-    TIMEOUT_MS,
-    TOKEN,
-    async_playwright,
-    auto_reduce,
-)
+from .admin.test_dashboard import ARTIFACTS, TOKEN, auto_reduce, chromium_page
 from .conftest import Proxy, provider_yaml, serve_app, wait_until
 
 try:
@@ -229,24 +220,8 @@ Shot = Callable[[str], Awaitable[None]]
 
 @pytest.fixture
 async def page() -> AsyncIterator[Page]:
-    if async_playwright is None:
-        pytest.fail("the playwright Python package is missing: pip install playwright "
-                    "(only the package; the tests use Debian's chromium, not `playwright install`)")
-    if shutil.which(CHROMIUM) is None:
-        pytest.fail(f"no Chromium at {CHROMIUM}: apt-get update && apt-get install -y chromium")
-    async with async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                           args=CHROMIUM_ARGS + REBIND_ARGS)
-        context = await browser.new_context(viewport={"width": 1100, "height": 800})
-        context.set_default_timeout(TIMEOUT_MS)
-        tab = await context.new_page()
-        errors: list[str] = []
-        tab.on("pageerror", lambda exc: errors.append(str(exc)))
-        try:
-            yield tab
-        finally:
-            await browser.close()
-        assert not errors, f"uncaught errors in the page: {errors}"
+    async with chromium_page(tuple(REBIND_ARGS)) as tab:
+        yield tab
 
 
 @pytest.fixture

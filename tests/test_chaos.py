@@ -512,9 +512,10 @@ class Chaos:
             return call
 
         # Every path that changes the effective limit (the instance attribute shadows the method).
-        limiter.set_limit = recorded(limiter.set_limit)  # type: ignore[method-assign]
-        limiter._auto_reduce = recorded(limiter._auto_reduce)  # type: ignore[method-assign]
-        limiter._recover_step = recorded(limiter._recover_step)  # type: ignore[method-assign]
+        level = limiter.level
+        level.set_limit = recorded(level.set_limit)  # type: ignore[method-assign]
+        level._auto_reduce = recorded(level._auto_reduce)  # type: ignore[method-assign]
+        level._recover_step = recorded(level._recover_step)  # type: ignore[method-assign]
 
     async def sampler(self) -> None:
         while True:

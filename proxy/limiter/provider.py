@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -19,7 +18,8 @@ from ..errors import ProxyError, QueueFull, QueueTimeout
 from . import policy
 from .clock import Clock, Timer
 from .deadlines import Deadlines
-from .policy import QUEUE_LISTED, auto_reduce_notice, validate_limit
+from .level import LimitLevel
+from .policy import QUEUE_LISTED, LimitKey
 from .queue import Priority, Waiter, WaiterQueue
 
 __all__ = [
@@ -175,10 +175,6 @@ class ProviderStatus:
         }
 
 
-def _optional_int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
-
-
 def _ms(seconds: float) -> int:
     return round(seconds * 1000)
 
@@ -195,26 +191,18 @@ class ProviderLimiter:
         self.name = name
         self._clock = clock
         self._settings = settings
-        self._limit = validate_limit(settings.limit)
-        self._cooldown = settings.release_cooldown
         self._starred = frozenset(starred)
         self._queue = WaiterQueue()
         self._deadlines: Deadlines[Waiter] = Deadlines(clock, self._expire)
         self._arrivals = itertools.count()
-        self._held = 0
-        self._cooling = 0
-        self._paused_until: float | None = None
-        self._pause_timer: Timer | None = None
-        self._last_reduction_at = -math.inf
-        self._auto_reduced_from: int | None = None
-        self._notice: str | None = None
-        self._recovery_timer: Timer | None = None
-        self._quiet_since: float | None = None
         self._dispatching = False
         self._active: set[Lease] = set()
         self.gate: AdmissionGate | None = None
         self.on_change: Callable[[], None] | None = None
-        self.counters = dict.fromkeys(policy.COUNTERS, 0)
+        self.counters = {"granted": 0, "queue_full": 0, "queue_timeouts": 0, "reclaims": 0}
+        self.level = LimitLevel(LimitKey(name), settings, clock, on_room=self._dispatch, on_change=self._changed)
+        """The provider's own limit. Every slot is counted here; further levels add to ``_levels``."""
+        self._levels: tuple[LimitLevel, ...] = (self.level,)
 
     # ----- admission -------------------------------------------------------------
 
@@ -304,36 +292,37 @@ class ProviderLimiter:
         return count
 
     def _retry_after_hint(self) -> float:
-        return policy.retry_after_hint(self._clock.time(), self._paused_until)
+        return self.level.retry_after_hint()
 
     # ----- granting --------------------------------------------------------------
 
     @property
     def in_flight(self) -> int:
-        return self._held + self._cooling
+        return self.level.in_flight
 
     @property
     def limit(self) -> int | None:
-        return self._limit
+        return self.level.limit
 
     @property
     def queued(self) -> int:
         return len(self._queue)
 
     def paused(self) -> bool:
-        return self._paused_until is not None
+        return self.level.paused_until is not None
 
     def _may_grant(self) -> bool:
-        if self._paused_until is not None:
-            return False
-        if self._limit is not None and self.in_flight >= self._limit:
-            return False
+        """Room at every level at once, and the usage gate (if any) agrees."""
+        for level in self._levels:
+            if not level.has_room():
+                return False
         return self.gate is None or self.gate.admits()
 
     def _grant(self, priority: Priority, seq: int, queue_wait: float) -> Lease:
         now = self._clock.time()
         lease = Lease(self, priority, seq, granted_at=now, queue_wait=queue_wait)
-        self._held += 1
+        for level in self._levels:
+            level.take()
         self._active.add(lease)
         self.counters["granted"] += 1
         if self.gate is not None:
@@ -402,114 +391,34 @@ class ProviderLimiter:
         self._free_slot(lease)
 
     def _free_slot(self, lease: Lease) -> None:
-        self._held -= 1
         self._active.discard(lease)
         if self.gate is not None:
             self.gate.request_poll()
-        if self._cooldown > 0:
-            self._cooling += 1
-            self._clock.call_later(self._cooldown, self._end_cooldown)
-        else:
+        free_now = True
+        for level in self._levels:
+            free_now &= level.give_back()
+        if free_now:
             self._dispatch()
-
-    def _end_cooldown(self) -> None:
-        self._cooling -= 1
-        self._dispatch()
 
     # ----- backoff ---------------------------------------------------------------
 
     def report_backoff(self, cause: str, wait: float | None = None, *, sent_at: float | None = None) -> None:
-        """Upstream said "slow down": pause the queue and lower the limit once per burst.
+        """Upstream said "slow down": the level that answered pauses and lowers its limit once per burst.
 
         ``sent_at`` is when the reporting request was granted. A request granted
         before the latest reduction belongs to the burst that caused it, so its
         429 extends the pause but does not lower the limit again.
         """
-        now = self._clock.time()
-        pause = policy.pause_length(wait, self._settings.default_pause)
-        self.counters["backoffs"] += 1
-        same_burst = policy.same_burst(now, self._paused_until, sent_at, self._last_reduction_at)
-        self._pause_until(now + pause, cause)
-        self._quiet_since = now
-        if not same_burst:
-            self._last_reduction_at = now
-            self._auto_reduce(cause)
-        self._arm_recovery()
-        self._changed()
-
-    def _pause_until(self, until: float, cause: str) -> None:
-        if self._paused_until is not None and until <= self._paused_until:
-            return
-        if self._pause_timer is not None:
-            self._pause_timer.cancel()
-        self._paused_until = until
-        self._pause_timer = self._clock.call_later(until - self._clock.time(), self._end_pause)
-        log.warning("provider=%s paused for %.1fs after a %s", self.name, until - self._clock.time(), cause)
-
-    def _end_pause(self) -> None:
-        self._paused_until = None
-        self._pause_timer = None
-        log.info("provider=%s pause ended; %d waiting", self.name, len(self._queue))
-        self._dispatch()
-
-    def _auto_reduce(self, cause: str) -> None:
-        reduced = policy.reduced_limit(self._limit)
-        if reduced is None:
-            return
-        if self._auto_reduced_from is None:
-            self._auto_reduced_from = self._limit
-        self._limit = reduced
-        self._notice = auto_reduce_notice(self._limit, cause)
-        self.counters["auto_reductions"] += 1
-        log.warning("provider=%s %s", self.name, self._notice)
-
-    def _arm_recovery(self) -> None:
-        """Time the next recovery step: ``recovery_after`` past the later of the last backoff and the last step."""
-        if self._recovery_timer is not None:
-            self._recovery_timer.cancel()
-            self._recovery_timer = None
-        after = self._settings.recovery_after
-        if after is None or self._auto_reduced_from is None:
-            return
-        since = self._quiet_since if self._quiet_since is not None else self._clock.time()
-        delay = max(0.0, since + after - self._clock.time())
-        self._recovery_timer = self._clock.call_later(delay, self._recover_step)
-
-    def _recover_step(self) -> None:
-        """recovery.after passed with no backoff: raise the limit one step toward its old value."""
-        self._recovery_timer = None
-        self._quiet_since = self._clock.time()
-        target = self._auto_reduced_from
-        if target is None or self._limit is None:
-            return
-        self._limit, recovered = policy.recovery_step(self._limit, target)
-        if recovered:
-            self._auto_reduced_from = None
-            self._notice = None
-            log.info("provider=%s limit recovered to %d; auto-reduction cleared", self.name, self._limit)
-        else:
-            self._notice = policy.recovering_notice(self._limit, target, self._settings.recovery_after or 0.0)
-            log.info("provider=%s limit recovering to %d of %d", self.name, self._limit, target)
-            self._arm_recovery()
-        self._dispatch()
-        self._changed()
+        self.level.report_backoff(cause, wait, sent_at=sent_at)
 
     # ----- control ---------------------------------------------------------------
 
     def set_limit(self, limit: int | None) -> None:
         """A manual limit (admin API or a YAML edit): applies at once and clears any auto-reduction."""
-        self._limit = validate_limit(limit)
-        self._auto_reduced_from = None
-        self._notice = None
-        self._arm_recovery()
-        self._dispatch()
-        self._changed()
+        self.level.set_limit(limit)
 
     def set_cooldown(self, seconds: float) -> None:
-        if not (seconds >= 0 and math.isfinite(seconds)):
-            raise ValueError(f"cooldown must be a non-negative number of seconds, got {seconds!r}")
-        self._cooldown = seconds
-        self._changed()
+        self.level.set_cooldown(seconds)
 
     def set_starred(self, workspaces: frozenset[str]) -> None:
         """Change the starred set; waiters already queued move to their new place."""
@@ -523,43 +432,15 @@ class ProviderLimiter:
 
         A changed queue_timeout applies to requests queued from now on.
         """
-        old, self._settings = self._settings, settings
-        if settings.release_cooldown != old.release_cooldown:
-            self._cooldown = settings.release_cooldown
-        if settings.limit != old.limit:
-            self.set_limit(settings.limit)
-            return
-        if settings.recovery_after != old.recovery_after:
-            self._arm_recovery()
-        self._dispatch()
+        self._settings = settings
+        self.level.apply_settings(settings)
 
     def export_state(self) -> dict[str, Any]:
-        return {
-            "limit": self._limit,
-            "configured_limit": self._settings.limit,
-            "auto_reduced_from": self._auto_reduced_from,
-            "notice": self._notice,
-            "cooldown": self._cooldown,
-            "configured_cooldown": self._settings.release_cooldown,
-        }
+        return self.level.export_state()
 
     def restore_state(self, state: dict[str, Any]) -> None:
-        """Apply persisted runtime state over the config.
-
-        A value whose configured counterpart changed since it was saved is skipped:
-        an edit of the YAML is a manual act and wins.
-        """
-        if state.get("configured_limit", self._settings.limit) == self._settings.limit:
-            self._limit = validate_limit(state.get("limit", self._limit))
-            self._auto_reduced_from = _optional_int(state.get("auto_reduced_from"))
-            notice = state.get("notice")
-            self._notice = notice if isinstance(notice, str) and self._auto_reduced_from is not None else None
-        cooldown = state.get("cooldown")
-        same_cooldown = state.get("configured_cooldown", self._settings.release_cooldown) == self._settings.release_cooldown
-        if same_cooldown and isinstance(cooldown, (int, float)) and cooldown >= 0:
-            self._cooldown = float(cooldown)
-        self._arm_recovery()
-        self._dispatch()
+        """Apply persisted runtime state over the config (see ``LimitLevel.restore_state``)."""
+        self.level.restore_state(state)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -582,19 +463,21 @@ class ProviderLimiter:
                 )
                 for w in self._queue.in_order(QUEUE_LISTED)
             )
+        level = self.level
+        paused_until = level.paused_until
         return ProviderStatus(
             provider=self.name,
-            limit=self._limit,
-            configured_limit=self._settings.limit,
-            in_flight=self.in_flight,
+            limit=level.limit,
+            configured_limit=level.configured_limit,
+            in_flight=level.in_flight,
             queued=len(self._queue),
-            paused=self._paused_until is not None,
-            paused_until=None if self._paused_until is None else _ms(self._paused_until),
-            cooldown_ms=_ms(self._cooldown),
-            auto_reduced=self._auto_reduced_from is not None,
-            auto_reduced_from=self._auto_reduced_from,
-            notice=self._notice,
+            paused=paused_until is not None,
+            paused_until=None if paused_until is None else _ms(paused_until),
+            cooldown_ms=_ms(level.cooldown),
+            auto_reduced=level.auto_reduced_from is not None,
+            auto_reduced_from=level.auto_reduced_from,
+            notice=level.notice,
             queue=queue,
-            counters=dict(self.counters),
+            counters={**self.counters, **level.counters},
             usage=self.gate.status() if self.gate is not None else None,
         )

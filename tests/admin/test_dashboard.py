@@ -9,6 +9,7 @@ they do not skip. Screenshots of each key step go to ``test-artifacts/``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,15 +38,17 @@ TOKEN = "dashboard-test-token"
 NOTICE = "Concurrency limit auto-reduced to 2 after a 429 — restore manually when ready."
 
 
-@pytest.fixture
-async def page() -> AsyncIterator[Page]:
+@contextlib.asynccontextmanager
+async def chromium_page(extra_args: tuple[str, ...] = ()) -> AsyncIterator[Page]:
+    """A tab in Debian's headless Chromium; an uncaught error in the page fails the test."""
     if async_playwright is None:
         pytest.fail("the playwright Python package is missing: pip install playwright "
                     "(only the package; the tests use Debian's chromium, not `playwright install`)")
     if shutil.which(CHROMIUM) is None:
         pytest.fail(f"no Chromium at {CHROMIUM}: apt-get update && apt-get install -y chromium")
     async with async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                           args=[*CHROMIUM_ARGS, *extra_args])
         context = await browser.new_context(viewport={"width": 1100, "height": 800})
         context.set_default_timeout(TIMEOUT_MS)
         tab = await context.new_page()
@@ -56,6 +59,12 @@ async def page() -> AsyncIterator[Page]:
         finally:
             await browser.close()
         assert not errors, f"uncaught errors in the page: {errors}"
+
+
+@pytest.fixture
+async def page() -> AsyncIterator[Page]:
+    async with chromium_page() as tab:
+        yield tab
 
 
 Shot = Callable[[str], Awaitable[None]]

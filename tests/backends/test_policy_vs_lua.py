@@ -191,13 +191,17 @@ async def run(scenario: list[Any], prefix: str, base_settings: dict[str, Any] | 
                 continue
             await asyncio.gather(*(apply(side, step, settings) for side in sides))
     finally:
-        for side in sides:
-            for task in side.waiting.values():
-                task.cancel()
-            await asyncio.gather(*side.waiting.values(), return_exceptions=True)
-            for lease in side.leases.values():
-                lease.release()
-            await side.backend.close()
+        await close(sides)
+
+
+async def close(sides: list[Side]) -> None:
+    for side in sides:
+        for task in side.waiting.values():
+            task.cancel()
+        await asyncio.gather(*side.waiting.values(), return_exceptions=True)
+        for lease in side.leases.values():
+            lease.release()
+        await side.backend.close()
 
 
 async def expect(sides: list[Side], step: Expect, number: int) -> None:
@@ -358,10 +362,4 @@ async def test_both_list_the_same_number_of_waiters(key_prefix: str) -> None:
             assert (doc["queued"], len(doc["queue"])) == (waiters, QUEUE_LISTED), side.name
             assert doc["queue"][0]["prompt_started_at"] == -(waiters - 1)
     finally:
-        for side in sides:
-            for task in side.waiting.values():
-                task.cancel()
-            await asyncio.gather(*side.waiting.values(), return_exceptions=True)
-            for lease in side.leases.values():
-                lease.release()
-            await side.backend.close()
+        await close(sides)
