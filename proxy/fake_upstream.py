@@ -1,29 +1,40 @@
 """A mock LLM provider with a hard concurrency cap, for the demo, the tests and the benchmarks.
 
-It speaks enough of the OpenAI (``/v1/chat/completions``, ``/v1/completions``)
-and Anthropic (``/v1/messages``) APIs for the official SDKs to parse its
-answers, streamed or not. Over its cap it answers 429 with Retry-After, like a
-real provider, and it keeps the statistics a test needs to prove that a proxy
-in front of it never went over: the highest concurrency it ever admitted, the
-429s it sent, and the tags of the requests in arrival order.
+It speaks enough of the OpenAI (``/v1/chat/completions``, ``/v1/completions``,
+``/v1/responses``) and Anthropic (``/v1/messages``) APIs for the official SDKs
+to parse its answers, streamed or not. Over its cap it answers 429 with
+Retry-After, like a real provider, and it keeps the statistics a test needs to
+prove that a proxy in front of it never went over: the highest concurrency it
+ever admitted, the 429s it sent, and the tags of the requests in arrival order.
 
 Request headers inject faults (so a test can reach them through a proxy):
 
-=========================  ====================================================
-``x-fake-tag``             recorded in ``arrivals`` (else the body's ``user``)
-``x-fake-status: N``       answer status N, once admitted, with the route's error shape
-``x-fake-no-retry-after``  ``1``: that 429 carries no Retry-After headers
-``x-fake-error-code``      the error ``code``/``type`` of that answer
-``x-fake-stall-ms: N``     wait N ms before sending the response headers
-``x-fake-reset-after: K``  stream K chunks, then reset the connection
-                           (non-streaming: reset before any answer)
-``x-fake-gzip: 1``         gzip a non-streaming answer (with Content-Length)
-``x-fake-stream-error: T`` after one chunk, an in-stream error of type T, then end
-``x-fake-chunks``          per-request ``chunks``
-``x-fake-delay-ms``        per-request ``delay_ms``
-=========================  ====================================================
+==============================  ===============================================
+``x-fake-tag``                  recorded in ``arrivals`` (else the body's ``user``)
+``x-fake-status: N``            answer status N, once admitted, with the route's
+                                error shape
+``x-fake-no-retry-after``       ``1``: that 429 carries no Retry-After headers
+``x-fake-error-code``           the error ``code``/``type`` of that answer
+``x-fake-stall-ms: N``          wait N ms before sending the response headers
+``x-fake-reset-after: K``       stream K chunks, then reset the connection
+                                (non-streaming: reset before any answer)
+``x-fake-gzip: 1``              gzip a non-streaming answer (with Content-Length)
+``x-fake-encoding: E``          compress a streaming answer on the fly with
+                                Content-Encoding E (``gzip``, ``deflate``, ``br``
+                                or ``zstd``), flushed after every event
+``x-fake-stream-error: T``      after one chunk, an in-stream error of type (or
+                                code) T, then end
+``x-fake-stream-error-form: F`` Responses API only: ``failed`` (default) sends
+                                ``response.failed``, ``event`` a top-level
+                                ``error`` event
+``x-fake-chunks``               per-request ``chunks``
+``x-fake-delay-ms``             per-request ``delay_ms``
+==============================  ===============================================
 
-Only model requests (the three POST routes) are counted and capped; ``/v1/models``,
+``br`` uses the ``brotli`` package and ``zstd`` the standard library's (or its
+backport's) ``compression.zstd``, both installed with slotproxy.
+
+Only model requests (the four POST routes) are counted and capped; ``/v1/models``,
 ``/v1/usage`` and ``/stats`` never are, so polling them changes nothing.
 """
 
@@ -39,12 +50,15 @@ import socket
 import struct
 import time
 import uuid
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+
+from .decoders import zstd_module
 
 __all__ = ["FakeUpstream", "add_arguments", "run", "start_fake_upstream"]
 
@@ -69,6 +83,12 @@ _ANTHROPIC_ERROR_TYPES = {
     529: "overloaded_error",
 }
 _OPENAI_ERROR_CODES = {429: "rate_limit_exceeded"}
+_RATE_LIMIT_MESSAGE = (
+    "Rate limit reached for gpt-4o in organization org-x on tokens per min (TPM): "
+    "Limit 30000, Used 30000, Requested 1200. Please try again in 6.379s."
+)
+_STREAM_ERROR_FORMS = frozenset({"failed", "event"})
+_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 
 
 def _sse(data: Any, event: str | None = None) -> bytes:
@@ -122,7 +142,8 @@ class _Dialect(ABC):
     @abstractmethod
     def closing(self, reply: _Reply) -> list[bytes]: ...
 
-    def stream_error(self, kind: str) -> bytes:
+    def stream_error(self, reply: _Reply, kind: str, *, after: int, form: str) -> bytes:
+        """The in-stream error sent after chunk ``after``; ``form`` matters to the Responses API only."""
         return _sse({"error": {"code": kind, "message": f"In-stream error: {kind}"}})
 
     def usage(self, reply: _Reply) -> dict[str, int]:
@@ -226,7 +247,7 @@ class _MessagesDialect(_Dialect):
             _sse({"type": "message_stop"}, "message_stop"),
         ]
 
-    def stream_error(self, kind: str) -> bytes:
+    def stream_error(self, reply: _Reply, kind: str, *, after: int, form: str) -> bytes:
         error = {"type": kind, "message": f"In-stream error: {kind}"}
         return _sse({"type": "error", "error": error}, "error")
 
@@ -242,6 +263,145 @@ class _MessagesDialect(_Dialect):
             "stop_sequence": None,
             "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": out},
         }
+
+
+class _ResponsesDialect(_Dialect):
+    """The OpenAI Responses API: one output message, every stream event typed and numbered.
+
+    Event ``sequence_number``s follow from the positions: four opening events,
+    then one per chunk, then the four closing ones (or the error after a chunk).
+    """
+
+    id_prefix = "resp_"
+    _OPENED = 4
+
+    def full_body(self, reply: _Reply) -> dict[str, Any]:
+        return self._response(reply, "completed", [self._message(reply, "completed", reply.text)],
+                              usage=self.responses_usage(reply))
+
+    def opening(self, reply: _Reply) -> list[bytes]:
+        snapshot = self._response(reply, "in_progress", [])
+        where = {"item_id": self._item_id(reply), "output_index": 0, "content_index": 0}
+        return [
+            self._event(0, "response.created", response=snapshot),
+            self._event(1, "response.in_progress", response=snapshot),
+            self._event(2, "response.output_item.added", output_index=0,
+                        item=self._message(reply, "in_progress", None)),
+            self._event(3, "response.content_part.added", **where, part=self._text_part("")),
+        ]
+
+    def chunk(self, reply: _Reply, index: int) -> bytes:
+        return self._event(self._OPENED + index, "response.output_text.delta", item_id=self._item_id(reply),
+                           output_index=0, content_index=0, delta=_piece(index), logprobs=[])
+
+    def closing(self, reply: _Reply) -> list[bytes]:
+        seq = self._OPENED + reply.chunks
+        where = {"item_id": self._item_id(reply), "output_index": 0, "content_index": 0}
+        message = self._message(reply, "completed", reply.text)
+        done = self._response(reply, "completed", [message], usage=self.responses_usage(reply))
+        return [
+            self._event(seq, "response.output_text.done", **where, text=reply.text, logprobs=[]),
+            self._event(seq + 1, "response.content_part.done", **where, part=self._text_part(reply.text)),
+            self._event(seq + 2, "response.output_item.done", output_index=0, item=message),
+            self._event(seq + 3, "response.completed", response=done),
+        ]
+
+    def stream_error(self, reply: _Reply, kind: str, *, after: int, form: str) -> bytes:
+        seq = self._OPENED + after + 1
+        message = _RATE_LIMIT_MESSAGE if "rate_limit" in kind else f"In-stream error: {kind}"
+        if form == "event":
+            return self._event(seq, "error", code=kind, message=message, param=None)
+        failed = self._response(reply, "failed", [], error={"code": kind, "message": message})
+        return self._event(seq, "response.failed", response=failed)
+
+    @staticmethod
+    def responses_usage(reply: _Reply) -> dict[str, Any]:
+        return {
+            "input_tokens": reply.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": reply.chunks,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": reply.prompt_tokens + reply.chunks,
+        }
+
+    @staticmethod
+    def _event(seq: int, kind: str, **fields: Any) -> bytes:
+        return _sse({"type": kind, "sequence_number": seq, **fields}, kind)
+
+    @staticmethod
+    def _item_id(reply: _Reply) -> str:
+        return "msg_" + reply.id.removeprefix("resp_")
+
+    @staticmethod
+    def _text_part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _message(self, reply: _Reply, status: str, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [self._text_part(text)]
+        return {"id": self._item_id(reply), "type": "message", "status": status, "role": "assistant",
+                "content": content}
+
+    @staticmethod
+    def _response(
+        reply: _Reply, status: str, output: list[dict[str, Any]], *,
+        usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "id": reply.id,
+            "object": "response",
+            "created_at": reply.created,
+            "status": status,
+            "completed_at": reply.created if status == "completed" else None,
+            "error": error,
+            "incomplete_details": None,
+            "instructions": None,
+            "max_output_tokens": None,
+            "model": reply.model,
+            "output": output,
+            "parallel_tool_calls": True,
+            "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None},
+            "store": True,
+            "temperature": 1.0,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": 1.0,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": None,
+            "metadata": {},
+        }
+
+
+@dataclass(frozen=True)
+class _StreamEncoder:
+    """One stream's Content-Encoding: one compressor, flushed after every event so each is decodable on arrival."""
+
+    name: str | None
+    encode: Callable[[bytes], bytes]
+    finish: Callable[[], bytes]
+
+    @classmethod
+    def named(cls, name: str | None) -> _StreamEncoder:
+        if name is None:
+            return cls(None, lambda data: data, lambda: b"")
+        if name in ("gzip", "deflate"):
+            deflater = zlib.compressobj(wbits=31 if name == "gzip" else 15)
+            return cls(name, lambda data: deflater.compress(data) + deflater.flush(zlib.Z_SYNC_FLUSH), deflater.flush)
+        if name == "br":
+            import brotli  # type: ignore[import-untyped]
+
+            compressor = brotli.Compressor()
+            return cls(name, lambda data: compressor.process(data) + compressor.flush(), compressor.finish)
+        zstd = zstd_module()
+        packer = zstd.ZstdCompressor()
+        return cls(name, lambda data: packer.compress(data) + packer.flush(zstd.ZstdCompressor.FLUSH_BLOCK),
+                   packer.flush)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {} if self.name is None else {"Content-Encoding": self.name}
 
 
 _Kind = type[int] | type[float]
@@ -270,6 +430,20 @@ def _flag(headers: Mapping[str, str], name: str) -> bool:
     return headers.get(name, "").strip().lower() in {"1", "true", "yes"}
 
 
+def _choice(headers: Mapping[str, str], name: str, allowed: Mapping[str, Any] | frozenset[str]) -> str | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(sorted(allowed))}, got {raw!r}")
+    return value
+
+
+def _encoding(headers: Mapping[str, str]) -> str | None:
+    return _choice(headers, "x-fake-encoding", _ENCODINGS)
+
+
 @dataclass(frozen=True)
 class _Knobs:
     """The fault-injection headers of one request, validated."""
@@ -280,7 +454,9 @@ class _Knobs:
     stall_ms: float
     reset_after: int | None
     gzip: bool
+    encoding: str | None
     stream_error: str | None
+    stream_error_form: str
     chunks: int
     delay_ms: float
 
@@ -295,7 +471,9 @@ class _Knobs:
             stall_ms=_number_header(headers, "x-fake-stall-ms", float, 0, "a number of ms >= 0") or 0.0,
             reset_after=_number_header(headers, "x-fake-reset-after", int, 0, "an integer >= 0"),
             gzip=_flag(headers, "x-fake-gzip"),
+            encoding=_encoding(headers),
             stream_error=headers.get("x-fake-stream-error") or None,
+            stream_error_form=_choice(headers, "x-fake-stream-error-form", _STREAM_ERROR_FORMS) or "failed",
             chunks=fake.chunks if chunks is None else chunks,
             delay_ms=fake.delay_ms if delay is None else delay,
         )
@@ -384,6 +562,7 @@ class FakeUpstream:
         app.router.add_post("/v1/chat/completions", self._route(_ChatDialect()))
         app.router.add_post("/v1/completions", self._route(_CompletionDialect()))
         app.router.add_post("/v1/messages", self._route(_MessagesDialect()))
+        app.router.add_post("/v1/responses", self._route(_ResponsesDialect()))
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/usage", self._usage)
         app.router.add_get("/stats", self._stats)
@@ -499,15 +678,20 @@ class FakeUpstream:
     async def _stream(
         self, request: web.Request, dialect: _Dialect, knobs: _Knobs, reply: _Reply
     ) -> web.StreamResponse:
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        encoder = _StreamEncoder.named(knobs.encoding)
+        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **encoder.headers}
         response = web.StreamResponse(headers=headers)
+
+        async def write(event: bytes) -> None:
+            await response.write(encoder.encode(event))
+
         try:
             await response.prepare(request)
             for event in dialect.opening(reply):
-                await response.write(event)
-            if not await self._stream_chunks(request, response, dialect, knobs, reply):
+                await write(event)
+            if not await self._stream_chunks(request, write, dialect, knobs, reply):
                 return response
-            await response.write_eof()
+            await response.write_eof(encoder.finish())
         except ConnectionResetError:
             return response
         self.completed += 1
@@ -515,7 +699,8 @@ class FakeUpstream:
 
     @staticmethod
     async def _stream_chunks(
-        request: web.Request, response: web.StreamResponse, dialect: _Dialect, knobs: _Knobs, reply: _Reply
+        request: web.Request, write: Callable[[bytes], Awaitable[None]], dialect: _Dialect, knobs: _Knobs,
+        reply: _Reply,
     ) -> bool:
         """Write the chunks and the closing events; False when the connection was reset on purpose.
 
@@ -526,15 +711,16 @@ class FakeUpstream:
             if index == knobs.reset_after:
                 break
             await asyncio.sleep(knobs.delay_ms / 1000)
-            await response.write(dialect.chunk(reply, index))
+            await write(dialect.chunk(reply, index))
             if knobs.stream_error:
-                await response.write(dialect.stream_error(knobs.stream_error))
+                await write(dialect.stream_error(reply, knobs.stream_error, after=index,
+                                                 form=knobs.stream_error_form))
                 return True
         if knobs.reset_after is not None:
             _abort(request)
             return False
         for event in dialect.closing(reply):
-            await response.write(event)
+            await write(event)
         return True
 
     async def _models(self, request: web.Request) -> web.Response:

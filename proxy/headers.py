@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -9,11 +11,13 @@ from datetime import UTC, datetime
 
 from .errors import BadRequest
 from .limiter import Priority
+from .limiter.policy import CLIENT_DEADLINE_MARGIN
 
 __all__ = [
     "HOP_BY_HOP",
     "PriorityHeaders",
     "check_header_bytes",
+    "client_wait_limit",
     "forward_request_headers",
     "forward_response_headers",
     "parse_priority",
@@ -113,14 +117,69 @@ def parse_priority(
     except ValueError:
         invalid.append("starred")
     try:
-        started = max(_prompt_started_at(headers.get(names.prompt_started_at), now), now - names.max_prompt_age)
+        started = _prompt_started_at(headers.get(names.prompt_started_at), now)
     except ValueError:
         invalid.append("prompt_started_at")
+    if names.prompt_started_at not in headers:
+        started = _turn_started_at(headers.get(CODEX_TURN_METADATA), now)
+    started = max(started, now - names.max_prompt_age)
     try:
         conversation = _label(headers.get(names.conversation))
     except ValueError:
         invalid.append("conversation")
+    if conversation is None and names.conversation not in headers:
+        conversation = _agent_session(headers)
     return Priority(prompt_started_at=started, workspace=workspace, starred=starred, conversation=conversation), invalid
+
+
+CODEX_TURN_METADATA = "x-codex-turn-metadata"
+AGENT_SESSION_HEADERS = ("X-Claude-Code-Session-Id", "session-id")
+"""Where agents name their conversation themselves: Claude Code, then Codex."""
+CLIENT_TIMEOUT_HEADERS = ("X-Stainless-Timeout", "X-Stainless-Read-Timeout")
+
+
+def _turn_started_at(metadata: str | None, now: float) -> float:
+    """Codex's ``x-codex-turn-metadata`` JSON: ``turn_started_at_unix_ms``, when valid; else ``now``."""
+    if not metadata or len(metadata) > 4096:
+        return now
+    try:
+        document = json.loads(metadata)
+    except ValueError:
+        return now
+    value = document.get("turn_started_at_unix_ms") if isinstance(document, dict) else None
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return now
+    when = value / 1000.0
+    return when if _EARLIEST <= when <= now + _FUTURE_SLACK else now
+
+
+def _agent_session(headers: Mapping[str, str]) -> str | None:
+    for name in AGENT_SESSION_HEADERS:
+        value = headers.get(name)
+        if value is not None:
+            value = value.strip()
+            if valid_label(value):
+                return value
+    return None
+
+
+def client_wait_limit(headers: Mapping[str, str]) -> float | None:
+    """How long a request may wait in the queue before its client gives up on its own (Anthropic and
+    OpenAI SDKs send their timeout), less ``CLIENT_DEADLINE_MARGIN``; None when it said nothing usable."""
+    limits = []
+    for name in CLIENT_TIMEOUT_HEADERS:
+        raw = headers.get(name)
+        if raw is None:
+            continue
+        try:
+            seconds = float(raw.strip())
+        except ValueError:
+            continue  # NOT_GIVEN and other non-numbers
+        if math.isfinite(seconds) and seconds > 0:
+            limits.append(seconds)
+    return max(0.0, min(limits) - CLIENT_DEADLINE_MARGIN) if limits else None
 
 
 def _connection_listed(headers: Mapping[str, str]) -> frozenset[str]:

@@ -31,6 +31,7 @@ from .errors import (
 )
 from .headers import (
     check_header_bytes,
+    client_wait_limit,
     forward_request_headers,
     forward_response_headers,
     parse_priority,
@@ -45,7 +46,7 @@ from .keys import (
 )
 from .limiter import Priority, SlotLease
 from .runtime import ProxyState
-from .signals import Backoff, StreamErrorScanner, classify_response, readable_body
+from .signals import Backoff, classify_response, readable_body, stream_scanner
 
 if TYPE_CHECKING:
     from .config import ProviderSettings
@@ -154,6 +155,8 @@ class Exchange:
         self.body = body
         self.priority = priority
         self.needs_slot = request.method in settings.slot_methods
+        client_wait = client_wait_limit(request.headers) if self.needs_slot else None
+        self.client_deadline = None if client_wait is None else time.monotonic() + client_wait
         self.response: web.StreamResponse | None = None
         self.queue_ms = 0
         self.consumed = consumed
@@ -167,7 +170,10 @@ class Exchange:
             lease: SlotLease | _NoSlot
             try:
                 if self.needs_slot:
-                    lease = await self.state.backend.acquire(self.provider, self.priority, seq=seq)
+                    client_wait = None if self.client_deadline is None else max(
+                        0.0, self.client_deadline - time.monotonic())
+                    lease = await self.state.backend.acquire(self.provider, self.priority, seq=seq,
+                                                             client_wait=client_wait)
                     self.state.observe_grant(self.provider, lease)
                 else:
                     lease = _NoSlot()
@@ -260,7 +266,8 @@ class Exchange:
 
     def _report(self, backoff: Backoff, lease: SlotLease | _NoSlot) -> None:
         self.state.metrics.backoffs.labels(self.provider, backoff.cause).inc()
-        self.state.backend.report_backoff(self.provider, backoff.cause, backoff.wait, lease.granted_at)
+        self.state.backend.report_backoff(self.provider, backoff.cause, backoff.wait, lease.granted_at,
+                                          reduce=backoff.status in self.settings.reduce_statuses)
 
     async def _stream(
         self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, prefix: bytes = b""
@@ -277,7 +284,7 @@ class Exchange:
         await _to_client(response.prepare(self.request))
         if prefix:
             await _to_client(response.write(prefix))
-        scanner = StreamErrorScanner() if event_stream else None
+        scanner = stream_scanner(upstream.headers.get("Content-Encoding")) if event_stream else None
         # Cancellation point: the client may leave at any await below; the handler
         # is cancelled and the caller's finally releases the slot.
         async for chunk in upstream.content.iter_any():

@@ -44,6 +44,7 @@ def limiter_settings(settings: ProviderSettings) -> LimiterSettings:
         limit=settings.limit,
         release_cooldown=settings.release_cooldown,
         default_pause=settings.default_pause,
+        overload_pause=settings.overload_pause,
         slot_timeout=settings.slot_timeout,
         queue_timeout=settings.queue_timeout,
         max_queue=settings.max_queue,

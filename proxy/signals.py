@@ -10,21 +10,24 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from .decoders import StreamDecoder, decoder_for
+
 __all__ = [
     "MAX_WAIT",
     "Backoff",
+    "DecodedStreamScanner",
     "StreamErrorScanner",
     "classify_response",
-    "is_quota_exhausted",
+    "is_refusal",
     "readable_body",
     "stated_wait",
+    "stream_scanner",
 ]
 
 MAX_WAIT = 86400.0
@@ -40,9 +43,14 @@ _NUMBER = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*")
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)s\s*")
 
 _MS_HEADERS = ("retry-after-ms", "x-ms-retry-after-ms")
-_STREAM_ERROR_TYPES = frozenset({"rate_limit_error", "overloaded_error"})
-_RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+_RATE_LIMITS = frozenset({"rate_limit_error", "rate_limit_exceeded"})
+_OVERLOADS = frozenset({"overloaded_error", "server_overloaded"})
 _QUOTA_FAILURE = "google.rpc.QuotaFailure"
+_TRY_AGAIN = re.compile(r"try again in\s+((?:\d+(?:\.\d+)?(?:h|ms|m|s))+)", re.IGNORECASE)
+_WORD_UNITS = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s)")
+_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+RATE_LIMIT_STATUS = 429
+OVERLOAD_STATUS = 529
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,22 +64,37 @@ class Backoff:
 
     cause: str
     wait: float | None
+    status: int = RATE_LIMIT_STATUS
+    """The status it counts as for ``reduce_statuses``: its own, or 429 for an in-stream rate limit
+    and 529 for an in-stream overload."""
 
 
 def readable_body(body: bytes, content_encoding: str | None) -> bytes:
     """A bounded, decoded copy of an error body for reading it; the bytes relayed stay as they came."""
-    encoding = (content_encoding or "").strip().lower()
-    if encoding not in ("gzip", "x-gzip", "deflate"):
+    decoder = decoder_for(content_encoding)
+    if decoder is None:
         return body
-    wbits = 47 if encoding != "deflate" else 15
+    pieces: list[bytes] = []
+    size = 0
     try:
-        decoder = zlib.decompressobj(wbits)
-        decoded = decoder.decompress(body, _MAX_BODY)
-        if encoding == "deflate" and not decoded and body:
-            decoded = zlib.decompressobj(-15).decompress(body, _MAX_BODY)
-    except zlib.error:
+        for piece in decoder.decode(body):
+            pieces.append(piece)
+            size += len(piece)
+            if size > _MAX_BODY:
+                break
+    except ValueError:
         return b""
-    return decoded
+    return b"".join(pieces)[:_MAX_BODY]
+
+
+def stream_scanner(content_encoding: str | None) -> StreamErrorScanner | DecodedStreamScanner | None:
+    """The scanner for one event stream: plain, or reading a decoded copy of a compressed one
+    (gzip, deflate, br, zstd); None for an encoding it cannot read."""
+    encoding = (content_encoding or "").strip().lower()
+    if encoding in ("", "identity"):
+        return StreamErrorScanner()
+    decoder = decoder_for(encoding)
+    return DecodedStreamScanner(decoder) if decoder is not None else None
 
 
 def stated_wait(headers: Mapping[str, str], body: bytes | None, now: float) -> float | None:
@@ -79,8 +102,9 @@ def stated_wait(headers: Mapping[str, str], body: bytes | None, now: float) -> f
 
     Sources, first usable one wins: ``retry-after-ms``, ``x-ms-retry-after-ms``,
     ``retry-after`` (seconds or an HTTP date, relative to ``now`` in epoch
-    seconds), then a Gemini-style body ``error.details[].retryDelay``. An
-    invalid or negative value falls through to the next source.
+    seconds), a Gemini-style body ``error.details[].retryDelay``, then the
+    error message's words (``Please try again in 6.379s``). An invalid or
+    negative value falls through to the next source.
     """
     found = _header_wait(_lowercase(headers), now)
     if found is None:
@@ -88,13 +112,12 @@ def stated_wait(headers: Mapping[str, str], body: bytes | None, now: float) -> f
     return found
 
 
-def is_quota_exhausted(body: bytes | None) -> bool:
-    """True when an error body says a quota is used up rather than a rate exceeded.
+def is_refusal(body: bytes | None) -> bool:
+    """True when an error body says no wait will help: a quota used up, billing, a spend limit.
 
-    Waiting a few seconds does not help against an exhausted quota, so such an
-    answer must not pause the provider or lower its limit.
+    Such an answer is relayed as it is: no pause, no reduction, no retry.
     """
-    return any(_says_quota_exhausted(error) for error in _errors(_load_json(body)))
+    return any(_refuses(error) for error in _errors(_load_json(body)))
 
 
 def classify_response(
@@ -105,9 +128,9 @@ def classify_response(
     now: float,
 ) -> Backoff | None:
     """The backoff a response calls for, or None when it calls for none."""
-    if status not in backoff_statuses or is_quota_exhausted(body):
+    if status not in backoff_statuses or is_refusal(body):
         return None
-    return Backoff(cause=str(status), wait=stated_wait(headers, body, now))
+    return Backoff(cause=str(status), wait=stated_wait(headers, body, now), status=status)
 
 
 class StreamErrorScanner:
@@ -183,6 +206,32 @@ class StreamErrorScanner:
             self._skipping = True
 
 
+class DecodedStreamScanner:
+    """A ``StreamErrorScanner`` fed with the decoded copy of a compressed stream, in bounded pieces.
+
+    Its cost is per chunk only on compressed streams; a stream that cannot be
+    decoded stops being scanned (the client still gets every byte)."""
+
+    __slots__ = ("_decoder", "_scanner")
+
+    def __init__(self, decoder: StreamDecoder) -> None:
+        self._decoder: StreamDecoder | None = decoder
+        self._scanner = StreamErrorScanner()
+
+    def feed(self, chunk: bytes) -> Backoff | None:
+        if self._decoder is None:
+            return None
+        try:
+            for piece in self._decoder.decode(chunk):
+                found = self._scanner.feed(piece)
+                if found is not None:
+                    self._decoder = None
+                    return found
+        except ValueError:
+            self._decoder = None
+        return None
+
+
 def _lowercase(headers: Mapping[str, str]) -> dict[str, str]:
     """Header names folded to lower case; the first of duplicate names wins."""
     folded: dict[str, str] = {}
@@ -233,19 +282,42 @@ def _capped(seconds: float) -> float:
 
 
 def _body_wait(document: Any) -> float | None:
-    for error in _errors(document):
+    errors = list(_errors(document))
+    for error in errors:
         for detail in _dicts(error.get("details")):
             delay = detail.get("retryDelay")
             match = _DURATION.fullmatch(delay) if isinstance(delay, str) else None
             if match:
                 return _capped(float(match.group(1)))
+    for error in errors:
+        found = _words_wait(error.get("message"))
+        if found is not None:
+            return found
     return None
 
 
-def _says_quota_exhausted(error: dict[str, Any]) -> bool:
-    if "insufficient_quota" in (error.get("code"), error.get("type")):
+def _words_wait(message: object) -> float | None:
+    """A wait stated in words: ``Please try again in 6.379s``, ``try again in 20ms``, ``in 1m30s``."""
+    if not isinstance(message, str):
+        return None
+    match = _TRY_AGAIN.search(message)
+    if match is None:
+        return None
+    seconds = sum(float(n) * _UNIT_SECONDS[unit] for n, unit in _WORD_UNITS.findall(match.group(1)))
+    return _capped(seconds)
+
+
+def _refuses(error: dict[str, Any]) -> bool:
+    """Quota used up (OpenAI ``insufficient_quota``, a Gemini per-day QuotaFailure), billing
+    (Anthropic ``billing_error``), or a spend limit in the type, code or ``details.error_code``."""
+    kind, code = error.get("type"), error.get("code")
+    if "insufficient_quota" in (code, kind) or kind == "billing_error":
         return True
-    return any(_is_daily_quota_failure(detail) for detail in _dicts(error.get("details")))
+    details = error.get("details")
+    detail_code = details.get("error_code") if isinstance(details, dict) else None
+    if any(isinstance(v, str) and "spend_limit" in v for v in (kind, code, detail_code)):
+        return True
+    return any(_is_daily_quota_failure(detail) for detail in _dicts(details))
 
 
 def _is_daily_quota_failure(detail: dict[str, Any]) -> bool:
@@ -302,23 +374,44 @@ def _stream_error(line: bytes) -> Backoff | None:
     """The backoff an SSE ``data:`` line calls for.
 
     Anthropic sends ``{"type": "error", "error": {"type": "overloaded_error"}}``;
-    OpenAI-style servers send ``{"error": {"code": "rate_limit_exceeded"}}``, and
-    the Responses API a top-level ``{"type": "error", "code": ...}``. Text
-    deltas that merely mention "error" have no such object and are ignored.
+    OpenAI-style servers send ``{"error": {"code": "rate_limit_exceeded"}}``; the
+    Responses API a top-level ``{"type": "error", "code": ...}``, or a
+    ``response.failed`` event carrying ``response.error``. Text deltas that merely
+    mention "error" have no such object and are ignored, and so are refusals
+    no wait helps (billing, spend limits).
     """
     if not line.startswith(b"data:"):
         return None
     document = _load_json(line[5:])
     if not isinstance(document, dict):
         return None
-    error = document.get("error")
-    if not isinstance(error, dict):
-        error = document if document.get("type") == "error" else None
-    if error is None:
+    error = _event_error(document)
+    if error is None or _refuses(error):
         return None
-    kind, code = error.get("type"), error.get("code")
-    if isinstance(kind, str) and kind in _STREAM_ERROR_TYPES:
-        return Backoff(cause=kind, wait=_body_wait(document))
-    if _RATE_LIMIT_EXCEEDED in (kind, code):
-        return Backoff(cause=_RATE_LIMIT_EXCEEDED, wait=_body_wait(document))
+    for value in (error.get("type"), error.get("code")):
+        if not isinstance(value, str):
+            continue
+        if value in _RATE_LIMITS:
+            return Backoff(cause=value, wait=_event_wait(document, error), status=RATE_LIMIT_STATUS)
+        if value in _OVERLOADS:
+            return Backoff(cause=value, wait=_event_wait(document, error), status=OVERLOAD_STATUS)
     return None
+
+
+def _event_error(document: dict[str, Any]) -> dict[str, Any] | None:
+    error = document.get("error")
+    if isinstance(error, dict):
+        return error
+    kind = document.get("type")
+    if kind == "error":
+        return document
+    if kind == "response.failed":
+        response = document.get("response")
+        failed = response.get("error") if isinstance(response, dict) else None
+        return failed if isinstance(failed, dict) else None
+    return None
+
+
+def _event_wait(document: dict[str, Any], error: dict[str, Any]) -> float | None:
+    found = _body_wait(document)
+    return found if found is not None else _words_wait(error.get("message"))

@@ -84,15 +84,26 @@ async def test_quota_exhausted_429_is_relayed_without_pause(start_upstream, star
     assert upstream.fake.stats()["rate_limited"] == 1
 
 
-async def test_529_counts_when_listed_in_backoff_statuses(start_upstream, start_proxy, client) -> None:
+async def test_529_pauses_for_overload_pause_without_lowering_the_limit(start_upstream, start_proxy, client) -> None:
     upstream = await start_upstream()
     proxy = await start_proxy(provider_yaml(upstream, limit=4, retry_on_429=0, backoff_statuses="[429, 529]",
-                                            default_pause="200ms"))
+                                            default_pause="30s", overload_pause="2s"))
     async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(),
                            headers={"x-fake-status": "529", "x-fake-no-retry-after": "1"}) as resp:
         assert resp.status == 529
     status = proxy.status()
-    assert status["notice"] == auto_reduce_notice(3, "529")
+    assert (status["paused"], status["limit"], status["auto_reduced"], status["notice"]) == (True, 4, False, None)
+    assert 1000 < status["paused_until"] - int(time.time() * 1000) <= 2050
+
+
+async def test_529_lowers_the_limit_when_listed_in_reduce_statuses(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=4, retry_on_429=0, backoff_statuses="[429, 529]",
+                                            reduce_statuses="[429, 529]", default_pause="200ms"))
+    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(),
+                           headers={"x-fake-status": "529", "x-fake-no-retry-after": "1"}) as resp:
+        assert resp.status == 529
+    assert proxy.status()["notice"] == auto_reduce_notice(3, "529")
 
 
 async def test_in_stream_rate_limit_error_counts_like_a_429(start_upstream, start_proxy, client) -> None:

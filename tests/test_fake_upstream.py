@@ -4,28 +4,45 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gzip
 import json
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+import zlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import anthropic
+import brotli
 import openai
 import pytest
+from backports import zstd
 
 from proxy import fake_upstream
 from proxy.fake_upstream import FakeUpstream, add_arguments, start_fake_upstream
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
 CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 MESSAGES_BODY = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+RESPONSES_BODY = {"model": "m", "input": "hi"}
+STREAMED = [(CHAT, CHAT_BODY), (MESSAGES, MESSAGES_BODY), (RESPONSES, RESPONSES_BODY)]
+ENCODINGS = ["gzip", "deflate", "br", "zstd"]
+TPM_MESSAGE = (
+    "Rate limit reached for gpt-4o in organization org-x on tokens per min (TPM): "
+    "Limit 30000, Used 30000, Requested 1200. Please try again in 6.379s."
+)
+RESPONSES_EVENTS = [
+    "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+    *["response.output_text.delta"] * 3,
+    "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed",
+]
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -76,6 +93,35 @@ def openai_client(up: Upstream) -> openai.AsyncOpenAI:
 
 def anthropic_client(up: Upstream) -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=up.url, api_key="x", max_retries=0)
+
+
+def decode_whole(encoding: str, data: bytes) -> bytes:
+    """A complete body decoded; raises if the encoder never finished its stream."""
+    if encoding == "gzip":
+        return gzip.decompress(data)
+    if encoding == "deflate":
+        return zlib.decompress(data)
+    if encoding == "br":
+        return brotli.decompress(data)
+    return zstd.decompress(data)
+
+
+def piecewise_decoder(encoding: str) -> Callable[[bytes], bytes]:
+    """Decodes a body piece by piece, as a client reading a compressed stream does."""
+    if encoding in ("gzip", "deflate"):
+        return zlib.decompressobj(wbits=31 if encoding == "gzip" else 15).decompress
+    if encoding == "br":
+        return brotli.Decompressor().process
+    return zstd.ZstdDecompressor().decompress
+
+
+@pytest.fixture
+def fixed_replies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every answer gets the same id and timestamp, so two answers compare byte for byte."""
+    real = FakeUpstream._reply
+    monkeypatch.setattr(
+        FakeUpstream, "_reply", staticmethod(lambda *args: dataclasses.replace(real(*args), id="fixed", created=0))
+    )
 
 
 async def sse_events(resp: aiohttp.ClientResponse) -> list[tuple[str | None, str]]:
@@ -161,6 +207,52 @@ async def test_anthropic_event_sequence(up: Upstream) -> None:
     assert all(json.loads(data)["type"] == name for name, data in events)
 
 
+async def test_openai_responses_non_streaming(up: Upstream) -> None:
+    async with openai_client(up) as client:
+        response = await client.responses.create(**RESPONSES_BODY)
+    assert (response.object, response.status, response.model) == ("response", "completed", "m")
+    assert response.id.startswith("resp_")
+    assert response.output_text == "tok0 tok1 tok2 "
+    assert response.output[0].type == "message" and response.output[0].status == "completed"
+    assert response.usage is not None
+    assert (response.usage.output_tokens, response.usage.total_tokens) == (3, response.usage.input_tokens + 3)
+    assert up.fake.completed == 1
+
+
+async def test_openai_responses_streaming(up: Upstream) -> None:
+    async with openai_client(up) as client:
+        stream = await client.responses.create(**RESPONSES_BODY, stream=True)
+        events = [event async for event in stream]
+    assert [event.type for event in events] == RESPONSES_EVENTS
+    assert [event.sequence_number for event in events] == list(range(len(RESPONSES_EVENTS)))
+    assert "".join(event.delta for event in events if event.type == "response.output_text.delta") == "tok0 tok1 tok2 "
+    completed = events[-1]
+    assert completed.type == "response.completed" and completed.response.status == "completed"
+    assert completed.response.output_text == "tok0 tok1 tok2 "
+    assert completed.response.usage is not None and completed.response.usage.output_tokens == 3
+
+
+async def test_openai_responses_stream_helper(up: Upstream) -> None:
+    async with openai_client(up) as client, client.responses.stream(**RESPONSES_BODY) as stream:
+        text = "".join([event.delta async for event in stream if event.type == "response.output_text.delta"])
+        final = await stream.get_final_response()
+    assert text == final.output_text == "tok0 tok1 tok2 "
+    assert final.status == "completed"
+
+
+async def test_responses_event_sequence(up: Upstream) -> None:
+    async with up.post(RESPONSES, RESPONSES_BODY | {"stream": True}) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        events = await sse_events(resp)
+    assert [name for name, _ in events] == RESPONSES_EVENTS
+    datas = [json.loads(data) for _, data in events]
+    assert all(data["type"] == name for (name, _), data in zip(events, datas, strict=True))
+    assert [data["sequence_number"] for data in datas] == list(range(len(events)))
+    item_ids = {data["item_id"] for data in datas if "item_id" in data}
+    assert item_ids == {datas[2]["item"]["id"]}
+    assert {data["response"]["id"] for data in datas if "response" in data} == {datas[0]["response"]["id"]}
+
+
 async def test_models_parse_with_both_sdks(up: Upstream) -> None:
     async with openai_client(up) as oai, anthropic_client(up) as ant:
         assert [m.id async for m in oai.models.list()] == ["fake-model"]
@@ -224,6 +316,23 @@ async def test_over_the_cap_sdks_see_rate_limit_errors(up: Upstream) -> None:
     await asyncio.gather(*tasks)
 
 
+@options(cap=1, retry_after=2.5, delay_ms=5)
+async def test_responses_over_the_cap_answers_429(up: Upstream) -> None:
+    tasks = await hold_slots(up, 1)
+    async with up.post(RESPONSES, RESPONSES_BODY | {"stream": True}) as resp:
+        assert resp.status == 429
+        assert (resp.headers["retry-after"], resp.headers["retry-after-ms"]) == ("3", "2500")
+        assert await resp.json() == {
+            "error": {"message": "Concurrency limit exceeded", "type": "rate_limit_error",
+                      "code": "rate_limit_exceeded"},
+        }
+    async with openai_client(up) as client:
+        with pytest.raises(openai.RateLimitError):
+            await client.responses.create(**RESPONSES_BODY, stream=True)
+    await asyncio.gather(*tasks)
+    assert (up.fake.rate_limited, up.fake.max_concurrency, up.fake.requests) == (2, 1, 3)
+
+
 @options(cap=1, delay_ms=5)
 async def test_slot_frees_after_the_answer(up: Upstream) -> None:
     for _ in range(3):
@@ -248,7 +357,7 @@ async def test_lag_keeps_the_slot_counted(up: Upstream) -> None:
 
 
 @options(cap=1, chunks=100, delay_ms=20)
-@pytest.mark.parametrize("path,body", [(CHAT, CHAT_BODY), (MESSAGES, MESSAGES_BODY)])
+@pytest.mark.parametrize("path,body", STREAMED)
 async def test_client_disconnect_mid_stream_frees_the_slot(up: Upstream, path: str, body: dict[str, Any]) -> None:
     resp = await up.post(path, body | {"stream": True})
     await resp.content.readline()
@@ -335,7 +444,7 @@ async def test_stall_counts_as_active(up: Upstream) -> None:
     await asyncio.gather(*tasks)
 
 
-@pytest.mark.parametrize("path,body", [(CHAT, CHAT_BODY), (MESSAGES, MESSAGES_BODY)])
+@pytest.mark.parametrize("path,body", STREAMED)
 async def test_reset_after_cuts_the_stream(up: Upstream, path: str, body: dict[str, Any]) -> None:
     deltas = 0
     async with up.post(path, body | {"stream": True}, x_fake_reset_after="2", x_fake_chunks="5") as resp:
@@ -396,6 +505,112 @@ async def test_stream_error_anthropic(up: Upstream) -> None:
                     pass
 
 
+async def test_injected_status_responses(up: Upstream) -> None:
+    async with up.post(RESPONSES, RESPONSES_BODY | {"stream": True}, x_fake_status="503") as resp:
+        assert resp.status == 503
+        assert await resp.json() == {
+            "error": {"message": "Injected status 503", "type": "server_error", "code": "server_error"},
+        }
+    async with openai_client(up) as client:
+        with pytest.raises(openai.RateLimitError) as raised:
+            await client.responses.create(**RESPONSES_BODY, extra_headers={"x-fake-status": "429"})
+    assert raised.value.response.headers["retry-after"] == "1"
+    assert raised.value.code == "rate_limit_exceeded"
+
+
+async def test_stream_error_responses_failed(up: Upstream) -> None:
+    body = RESPONSES_BODY | {"stream": True}
+    async with up.post(RESPONSES, body, x_fake_stream_error="rate_limit_exceeded") as resp:
+        events = await sse_events(resp)
+    assert [name for name, _ in events] == [*RESPONSES_EVENTS[:5], "response.failed"]
+    failed = json.loads(events[-1][1])
+    assert (failed["type"], failed["sequence_number"]) == ("response.failed", 5)
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "rate_limit_exceeded", "message": TPM_MESSAGE}
+    assert up.fake.completed == 1
+
+
+async def test_stream_error_responses_error_event(up: Upstream) -> None:
+    async with up.post(RESPONSES, RESPONSES_BODY | {"stream": True}, x_fake_stream_error="rate_limit_exceeded",
+                       x_fake_stream_error_form="event") as resp:
+        events = await sse_events(resp)
+    assert [name for name, _ in events] == [*RESPONSES_EVENTS[:5], "error"]
+    assert json.loads(events[-1][1]) == {
+        "type": "error", "sequence_number": 5, "code": "rate_limit_exceeded", "message": TPM_MESSAGE, "param": None,
+    }
+
+
+async def test_stream_error_responses_other_code_through_the_sdk(up: Upstream) -> None:
+    async with openai_client(up) as client:
+        stream = await client.responses.create(
+            **RESPONSES_BODY, stream=True, extra_headers={"x-fake-stream-error": "server_error"}
+        )
+        events = [event async for event in stream]
+    failed = events[-1]
+    assert failed.type == "response.failed" and failed.response.error is not None
+    assert failed.response.error.code == "server_error"
+    assert failed.response.error.message == "In-stream error: server_error"
+
+
+@pytest.mark.usefixtures("fixed_replies")
+@pytest.mark.parametrize("encoding", ENCODINGS)
+@pytest.mark.parametrize("path,body", STREAMED)
+async def test_encoded_stream_decodes_to_the_plain_stream(
+    up: Upstream, path: str, body: dict[str, Any], encoding: str
+) -> None:
+    async with up.post(path, body | {"stream": True}) as resp:
+        assert "Content-Encoding" not in resp.headers
+        plain = await resp.read()
+    async with up.post(path, body | {"stream": True}, x_fake_encoding=encoding) as resp:
+        assert resp.headers["Content-Encoding"] == encoding
+        assert "Content-Length" not in resp.headers
+        encoded = await resp.read()
+    assert encoded != plain
+    assert decode_whole(encoding, encoded) == plain
+
+
+@pytest.mark.usefixtures("fixed_replies")
+@pytest.mark.parametrize("encoding", ENCODINGS)
+async def test_encoded_stream_error_decodes_to_the_plain_stream(up: Upstream, encoding: str) -> None:
+    knobs = {"x_fake_stream_error": "rate_limit_exceeded"}
+    async with up.post(RESPONSES, RESPONSES_BODY | {"stream": True}, **knobs) as resp:
+        plain = await resp.read()
+    async with up.post(RESPONSES, RESPONSES_BODY | {"stream": True}, **knobs, x_fake_encoding=encoding) as resp:
+        encoded = await resp.read()
+    assert decode_whole(encoding, encoded) == plain
+    assert plain.endswith(b"\n\n") and b"event: response.failed" in plain
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+async def test_encoded_stream_is_flushed_event_by_event(up: Upstream, encoding: str) -> None:
+    decode, seen, first_delta_at = piecewise_decoder(encoding), b"", None
+    async with up.post(RESPONSES, RESPONSES_BODY | {"stream": True}, x_fake_encoding=encoding,
+                       x_fake_chunks="2", x_fake_delay_ms="100") as resp:
+        async for piece in resp.content.iter_any():
+            seen += decode(piece)
+            if first_delta_at is None and b"response.output_text.delta" in seen:
+                first_delta_at = time.monotonic()
+    assert first_delta_at is not None
+    assert time.monotonic() - first_delta_at > 0.05
+    assert seen.endswith(b"\n\n") and b"event: response.completed" in seen
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+async def test_sdks_read_encoded_streams(up: Upstream, encoding: str) -> None:
+    headers = {"x-fake-encoding": encoding}
+    async with openai_client(up) as oai, anthropic_client(up) as ant:
+        async with oai.responses.stream(**RESPONSES_BODY, extra_headers=headers) as stream:
+            assert (await stream.get_final_response()).output_text == "tok0 tok1 tok2 "
+        async with ant.messages.stream(**MESSAGES_BODY, extra_headers=headers) as stream:
+            assert (await stream.get_final_message()).content[0].text == "tok0 tok1 tok2 "  # type: ignore[union-attr]
+
+
+async def test_encoding_leaves_non_streaming_answers_alone(up: Upstream) -> None:
+    async with up.post(RESPONSES, RESPONSES_BODY, x_fake_encoding="br") as resp:
+        assert "Content-Encoding" not in resp.headers
+        assert (await resp.json())["output"][0]["content"][0]["text"] == "tok0 tok1 tok2 "
+
+
 async def test_per_request_chunks_and_delay(up: Upstream) -> None:
     start = time.monotonic()
     async with up.post(CHAT, CHAT_BODY | {"stream": True}, x_fake_chunks="2", x_fake_delay_ms="100") as resp:
@@ -409,7 +624,8 @@ async def test_per_request_chunks_and_delay(up: Upstream) -> None:
 
 
 @pytest.mark.parametrize("header,value", [("x_fake_chunks", "0"), ("x_fake_delay_ms", "soon"),
-                                          ("x_fake_status", "abc")])
+                                          ("x_fake_status", "abc"), ("x_fake_encoding", "lzma"),
+                                          ("x_fake_stream_error_form", "sometimes")])
 async def test_bad_knob_is_a_400(up: Upstream, header: str, value: str) -> None:
     async with up.post(CHAT, CHAT_BODY, **{header: value}) as resp:
         assert resp.status == 400

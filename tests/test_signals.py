@@ -15,8 +15,9 @@ from proxy.signals import (
     Backoff,
     StreamErrorScanner,
     classify_response,
-    is_quota_exhausted,
+    is_refusal,
     stated_wait,
+    stream_scanner,
 )
 
 NOW = 1445412450.0
@@ -261,30 +262,30 @@ def test_stated_wait(headers: dict[str, str], payload: bytes | None, expected: f
         pytest.param(None, False, id="none"),
     ],
 )
-def test_is_quota_exhausted(payload: bytes | None, expected: bool) -> None:
-    assert is_quota_exhausted(payload) is expected
+def test_is_refusal(payload: bytes | None, expected: bool) -> None:
+    assert is_refusal(payload) is expected
 
 
 @pytest.mark.parametrize(
     ("status", "headers", "payload", "statuses", "expected"),
     [
         pytest.param(
-            429, OPENAI_RATE_LIMIT_HEADERS, OPENAI_RATE_LIMIT, {429}, Backoff("429", 2.222), id="openai-429"
+            429, OPENAI_RATE_LIMIT_HEADERS, OPENAI_RATE_LIMIT, {429}, Backoff("429", 2.222, 429), id="openai-429"
         ),
-        pytest.param(429, AZURE_HEADERS, AZURE_BODY, {429}, Backoff("429", 8.5), id="azure-429"),
+        pytest.param(429, AZURE_HEADERS, AZURE_BODY, {429}, Backoff("429", 8.5, 429), id="azure-429"),
         pytest.param(
-            429, ANTHROPIC_HEADERS, ANTHROPIC_RATE_LIMIT, {429, 529}, Backoff("429", 17.0), id="anthropic-429"
+            429, ANTHROPIC_HEADERS, ANTHROPIC_RATE_LIMIT, {429, 529}, Backoff("429", 17.0, 429), id="anthropic-429"
         ),
-        pytest.param(529, {}, ANTHROPIC_OVERLOADED, {429, 529}, Backoff("529", None), id="anthropic-529"),
+        pytest.param(529, {}, ANTHROPIC_OVERLOADED, {429, 529}, Backoff("529", None, 529), id="anthropic-529"),
         pytest.param(
-            429, GEMINI_HEADERS, body(GEMINI_PER_MINUTE), [429], Backoff("429", 45.8), id="gemini-per-minute"
+            429, GEMINI_HEADERS, body(GEMINI_PER_MINUTE), [429], Backoff("429", 45.8, 429), id="gemini-per-minute"
         ),
         pytest.param(429, {"retry-after": "20"}, OPENAI_INSUFFICIENT_QUOTA, {429}, None, id="openai-quota"),
         pytest.param(429, GEMINI_HEADERS, body([GEMINI_PER_DAY]), {429}, None, id="gemini-per-day"),
         pytest.param(529, {}, ANTHROPIC_OVERLOADED, {429}, None, id="529-not-configured"),
         pytest.param(200, {"retry-after": "5"}, b"{}", {429}, None, id="ok"),
         pytest.param(503, {"retry-after": "5"}, b"", {429}, None, id="503-not-configured"),
-        pytest.param(503, {"retry-after": "5"}, b"", {429, 503}, Backoff("503", 5.0), id="503-configured"),
+        pytest.param(503, {"retry-after": "5"}, b"", {429, 503}, Backoff("503", 5.0, 503), id="503-configured"),
     ],
 )
 def test_classify_response(
@@ -380,7 +381,7 @@ OPENAI_ERROR_STREAM = sse(
 )
 
 STREAMS = [
-    pytest.param(ANTHROPIC_OVERLOADED_STREAM, Backoff("overloaded_error", None), id="anthropic-overloaded"),
+    pytest.param(ANTHROPIC_OVERLOADED_STREAM, Backoff("overloaded_error", None, 529), id="anthropic-overloaded"),
     pytest.param(
         anthropic_stream(
             anthropic_error("rate_limit_error", "Number of request tokens has exceeded your limit.")
@@ -418,7 +419,7 @@ STREAMS = [
             anthropic_error("overloaded_error", "Overloaded"),
             anthropic_error("rate_limit_error", "again"),
         ),
-        Backoff("overloaded_error", None),
+        Backoff("overloaded_error", None, 529),
         id="two-errors-first-wins",
     ),
     pytest.param(
@@ -494,7 +495,7 @@ def test_scanner_split_in_two_anywhere(stream: bytes, expected: Backoff | None, 
 
 def test_scanner_reports_once_then_stays_quiet() -> None:
     scanner = StreamErrorScanner()
-    assert scanner.feed(ANTHROPIC_OVERLOADED_STREAM) == Backoff("overloaded_error", None)
+    assert scanner.feed(ANTHROPIC_OVERLOADED_STREAM) == Backoff("overloaded_error", None, 529)
     assert scanner.feed(ANTHROPIC_OVERLOADED_STREAM) is None
     assert scanner.feed(OPENAI_ERROR_STREAM) is None
 
@@ -510,7 +511,7 @@ def test_scanner_drops_overlong_line_and_recovers() -> None:
     overlong = sse((None, {"error": {"code": "rate_limit_exceeded", "pad": padding}}))
     stream = overlong + ANTHROPIC_OVERLOADED_STREAM
     pieces = [stream[i : i + 4096] for i in range(0, len(stream), 4096)]
-    assert reports(pieces) == [Backoff("overloaded_error", None)]
+    assert reports(pieces) == [Backoff("overloaded_error", None, 529)]
 
 
 def test_scanner_memory_is_bounded_on_endless_line() -> None:
@@ -524,3 +525,90 @@ def test_scanner_memory_is_bounded_on_endless_line() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 1024 * 1024
+
+
+# ----- part two: every signal real agent clients see ---------------------------------------
+
+OPENAI_TPM_MESSAGE = ("Rate limit reached for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, "
+                      "Used 30000, Requested 1200. Please try again in 6.379s. Visit https://platform.openai.com/"
+                      "account/rate-limits to learn more.")
+
+PART_TWO_RESPONSES = [
+    pytest.param(429, {}, body({"error": {"message": OPENAI_TPM_MESSAGE, "type": "tokens",
+                                          "code": "rate_limit_exceeded"}}),
+                 Backoff("429", 6.379, 429), id="openai-wait-in-words"),
+    pytest.param(429, {}, body({"error": {"message": "Rate limit exceeded: try again in 20ms", "type": "requests"}}),
+                 Backoff("429", 0.02, 429), id="wait-in-ms-words"),
+    pytest.param(429, {"retry-after": "3"}, body({"error": {"message": "Please try again in 6.379s."}}),
+                 Backoff("429", 3.0, 429), id="header-wins-over-words"),
+    pytest.param(529, {}, body({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+                 Backoff("529", None, 529), id="anthropic-overloaded"),
+    pytest.param(400, {}, body({"type": "error", "error": {"type": "billing_error",
+                                                           "message": "Your credit balance is too low"}}),
+                 None, id="anthropic-billing"),
+    pytest.param(429, {"retry-after": "60"}, body({"type": "error", "error": {
+        "type": "rate_limit_error", "message": "You have reached your specified API usage limits.",
+        "details": {"error_code": "enforced_spend_limit_reached"}}}), None, id="anthropic-spend-limit"),
+    pytest.param(429, {}, body({"error": {"type": "spend_limit_exceeded", "message": "Monthly spend limit"}}),
+                 None, id="spend-limit-type"),
+]
+
+
+@pytest.mark.parametrize(("status", "headers", "payload", "expected"), PART_TWO_RESPONSES)
+def test_part_two_responses(status: int, headers: dict[str, str], payload: bytes, expected: Backoff | None) -> None:
+    assert classify_response(status, headers, payload, {400, 429, 529}, 0.0) == expected
+
+
+def event_bytes(event: str, document: Any) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(document)}\n\n".encode()
+
+
+PART_TWO_STREAMS = [
+    pytest.param(event_bytes("response.failed", {"type": "response.failed", "sequence_number": 9, "response": {
+        "id": "resp_1", "status": "failed", "error": {"code": "rate_limit_exceeded", "message": OPENAI_TPM_MESSAGE}}}),
+        Backoff("rate_limit_exceeded", 6.379, 429), id="responses-failed-rate-limit"),
+    pytest.param(event_bytes("response.failed", {"type": "response.failed", "response": {
+        "status": "failed", "error": {"type": "overloaded_error", "message": "Overloaded"}}}),
+        Backoff("overloaded_error", None, 529), id="responses-failed-overloaded-type"),
+    pytest.param(event_bytes("response.failed", {"type": "response.failed", "response": {
+        "status": "failed", "error": {"code": "server_error", "message": "The server had an error"}}}),
+        None, id="responses-failed-other"),
+    pytest.param(event_bytes("error", {"type": "error", "code": "rate_limit_exceeded", "message": "try again in 1.5s",
+                               "sequence_number": 4}),
+        Backoff("rate_limit_exceeded", 1.5, 429), id="responses-error-event"),
+    pytest.param(event_bytes("error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+        Backoff("overloaded_error", None, 529), id="anthropic-overloaded-event"),
+    pytest.param(event_bytes("error", {"type": "error", "error": {"type": "rate_limit_error", "message": "Spend limit",
+                                                          "details": {"error_code": "enforced_spend_limit_reached"}}}),
+        None, id="anthropic-spend-limit-event"),
+    pytest.param(event_bytes("error", {"type": "error", "error": {"type": "billing_error", "message": "No credit"}}),
+        None, id="anthropic-billing-event"),
+]
+
+
+@pytest.mark.parametrize(("stream", "expected"), PART_TWO_STREAMS)
+def test_part_two_stream_errors(stream: bytes, expected: Backoff | None) -> None:
+    assert StreamErrorScanner().feed(stream) == expected
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "zstd"])
+def test_a_compressed_stream_is_scanned_decoded_in_bounded_pieces(encoding: str) -> None:
+    import zlib
+
+    import brotli
+    from backports import zstd
+
+    stream = b"".join(event_bytes("content_block_delta", {"type": "content_block_delta", "text": "x" * 200})
+                      for _ in range(2000)) + event_bytes("error", {"type": "error", "error": {"type": "rate_limit_error"}})
+    packed = {"gzip": lambda b: zlib.compress(b, wbits=31), "deflate": zlib.compress, "br": brotli.compress,
+              "zstd": zstd.compress}[encoding](stream)
+    scanner = stream_scanner(encoding)
+    assert scanner is not None
+    found = [scanner.feed(packed[i:i + 1000]) for i in range(0, len(packed), 1000)]
+    assert [f for f in found if f is not None] == [Backoff("rate_limit_error", None, 429)]
+
+
+def test_an_unknown_encoding_is_not_scanned() -> None:
+    assert stream_scanner("compress") is None
+    assert isinstance(stream_scanner(None), StreamErrorScanner)
+    assert isinstance(stream_scanner("identity"), StreamErrorScanner)

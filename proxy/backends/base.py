@@ -30,10 +30,15 @@ class Backend(Protocol):
     def usage_limiter(self, provider: str) -> ProviderLimiter | None:
         """The in-process limiter a usage gate attaches to, or None where the backend cannot host one."""
 
-    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
-        """Wait for a slot. Raises QueueFull or QueueTimeout; cancelling the caller leaves the queue."""
+    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
+                      client_wait: float | None = None) -> SlotLease:
+        """Wait for a slot, at most queue_timeout (or ``client_wait``, the client's own deadline, when shorter).
+        Raises QueueFull or QueueTimeout; cancelling the caller leaves the queue."""
 
-    def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float) -> None: ...
+    def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float, *,
+                       reduce: bool = True) -> None:
+        """Pause the provider for ``wait`` (else its default or overload pause); ``reduce`` also lowers
+        its limit once per burst."""
 
     def set_limit(self, provider: str, limit: int | None) -> None: ...
 

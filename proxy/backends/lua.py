@@ -280,7 +280,8 @@ return {missing, grants, lost, tostring(next_event(now)), configured() and 1 or 
 """
 
 BACKOFF = _PRELUDE + r"""
--- ARGV: cause, wait_ms (policy.pause_length), sent_at (-1 = unknown), notice template with {N}
+-- ARGV: cause, wait_ms (policy.pause_length), sent_at (-1 = unknown), notice template with {N},
+--       reduces ('1': a status in reduce_statuses, lower the limit once per burst; '0': pause only)
 local now = now_ms()
 local wait = tonumber(ARGV[2])
 local paused_until = num('paused_until', 0)
@@ -290,7 +291,7 @@ if now + wait > paused_until then redis.call('HSET', KEYS[1], 'paused_until', no
 redis.call('HINCRBY', KEYS[1], 'backoffs', 1)
 redis.call('HSET', KEYS[1], 'last_backoff_at', now)
 local reduced = 0
-if not same_burst then
+if not same_burst and ARGV[5] == '1' then
   redis.call('HSET', KEYS[1], 'last_reduction_at', now)
   local limit = limit_of()
   if limit and limit > 1 then

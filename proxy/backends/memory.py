@@ -84,13 +84,14 @@ class MemoryBackend:
     def usage_limiter(self, provider: str) -> ProviderLimiter | None:
         return self._limiters.get(provider)
 
-    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
+    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
+                      client_wait: float | None = None) -> SlotLease:
         limiter = self.limiter(provider)
         lease = limiter.try_acquire(priority, seq)
         if lease is not None:
             return lease
         parked = _Parked(asyncio.get_running_loop().create_future())
-        waiter = limiter.enqueue(priority, parked.grant, parked.reject, seq)
+        waiter = limiter.enqueue(priority, parked.grant, parked.reject, seq, client_wait)
         try:
             return await parked.future
         except asyncio.CancelledError:
@@ -103,10 +104,11 @@ class MemoryBackend:
                 limiter.cancel(waiter)
             raise
 
-    def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float) -> None:
+    def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float, *,
+                       reduce: bool = True) -> None:
         limiter = self._limiters.get(provider) or self._retired.get(provider)
         if limiter is not None:
-            limiter.report_backoff(cause, wait, sent_at=sent_at)
+            limiter.report_backoff(cause, wait, sent_at=sent_at, reduce=reduce)
 
     def set_limit(self, provider: str, limit: int | None) -> None:
         self.limiter(provider).set_limit(limit)

@@ -125,7 +125,8 @@ class _Waiter:
     ``expiring``: its queue_timeout passed and its CANCEL is on the way; a grant that lands now is
     handed back by that CANCEL, not taken."""
 
-    __slots__ = ("asked_at", "expiring", "future", "in_redis", "local", "priority", "provider", "seq")
+    __slots__ = ("asked_at", "client_bound", "client_wait", "expiring", "future", "gone", "in_redis", "local",
+                 "priority", "provider", "seq", "wait_limit")
 
     def __init__(self, future: asyncio.Future[RedisLease], provider: str, priority: Priority, asked_at: float) -> None:
         self.future = future
@@ -136,11 +137,15 @@ class _Waiter:
         self.in_redis = False
         self.expiring = False
         self.local = False
+        self.gone = False
+        self.wait_limit: float | None = None
+        self.client_bound = False
+        self.client_wait: float | None = None
 
     @property
     def queued(self) -> bool:
         """Still waiting for Redis (for the queue deadlines): not granted, gone, expiring or served locally."""
-        return not (self.future.done() or self.expiring or self.local)
+        return not (self.gone or self.future.done() or self.expiring or self.local)
 
 
 class RedisBackend:
@@ -305,23 +310,27 @@ class RedisBackend:
 
     # ----- acquire ---------------------------------------------------------------
 
-    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None) -> SlotLease:
+    async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
+                      client_wait: float | None = None) -> SlotLease:
         settings = self._settings.get(provider)
         if settings is None:
             raise UnknownProvider.named(provider)
         if not self.healthy and self._mode == "local":
-            return await self._local.acquire(provider, priority, seq=seq)
+            return await self._local.acquire(provider, priority, seq=seq, client_wait=client_wait)
         loop = asyncio.get_running_loop()
         waiter_id = f"{self.replica}-{next(self._ids)}"
         waiter = _Waiter(loop.create_future(), provider, priority, loop.time())
+        waiter.wait_limit, waiter.client_bound = policy.queue_wait_limit(settings.queue_timeout, client_wait)
+        waiter.client_wait = client_wait
         self._waiters[waiter_id] = waiter
-        if settings.queue_timeout is not None:
-            self._deadlines.add(waiter, self.clock.time() + settings.queue_timeout)
+        if waiter.wait_limit is not None and waiter.wait_limit > 0:
+            self._deadlines.add(waiter, self.clock.time() + waiter.wait_limit)
         granted: SlotLease | None = None
         try:
             granted = await self._wait_for_grant(waiter_id, waiter, settings, seq)
             return granted
         finally:
+            waiter.gone = True  # a grant straight from ENQUEUE's answer never sets the future
             del self._waiters[waiter_id]
             self._deadlines.settle(len(self._waiters))
             if granted is None:
@@ -357,10 +366,10 @@ class RedisBackend:
         log.warning("provider=%s request from workspace=%s timed out after %.1fs in the queue", waiter.provider,
                     waiter.priority.workspace, asyncio.get_running_loop().time() - waiter.asked_at)
         if not waiter.future.done():
-            timeout = settings.queue_timeout if settings is not None else 0.0
+            waited = asyncio.get_running_loop().time() - waiter.asked_at
+            shown = waited if waiter.client_bound else (settings.queue_timeout if settings is not None else None)
             waiter.future.set_exception(QueueTimeout(
-                f"waited longer than queue_timeout ({timeout:g}s) for a slot on provider '{waiter.provider}'; "
-                "retry later", retry_after=hint))
+                policy.queue_timeout_message(waiter.provider, shown, waiter.client_bound), retry_after=hint))
 
     async def _wait_for_grant(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings,
                               seq: int | None) -> SlotLease:
@@ -375,7 +384,8 @@ class RedisBackend:
             except RedisError:
                 if self._mode == "local":
                     waiter.local = True
-                    return await self._local.acquire(waiter.provider, waiter.priority, seq=seq)
+                    return await self._local.acquire(waiter.provider, waiter.priority, seq=seq,
+                                                     client_wait=waiter.client_wait)
                 await self._wait_or_expire(waiter)
         status, detail, waiter.seq = int(result[0]), _text(result[1]), int(result[2])
         if waiter.expiring:
@@ -392,6 +402,8 @@ class RedisBackend:
         if status == 1:
             return self._adopt(waiter_id, waiter, detail)
         waiter.in_redis = True
+        if waiter.wait_limit is not None and waiter.wait_limit <= 0:
+            self._expire(waiter)  # no time to wait at all: answered as soon as it is known to queue
         self._schedule_dispatch(waiter.provider, int(detail))
         return await waiter.future
 
@@ -558,15 +570,18 @@ class RedisBackend:
 
     # ----- control ---------------------------------------------------------------
 
-    def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float) -> None:
+    def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float, *,
+                       reduce: bool = True) -> None:
         settings = self._settings.get(provider)
         if settings is None:
             return
-        wait_ms = int(policy.pause_length(wait, settings.default_pause) * 1000)
+        default = policy.default_pause(reduce, settings.default_pause, settings.overload_pause)
+        wait_ms = int(policy.pause_length(wait, default) * 1000)
         template = policy.auto_reduce_notice("{N}", cause)
-        self._spawn(self._guarded("BACKOFF", provider, cause, wait_ms, int(sent_at * 1000), template))
+        self._spawn(self._guarded("BACKOFF", provider, cause, wait_ms, int(sent_at * 1000), template,
+                                  "1" if reduce else "0"))
         if not self.healthy:
-            self._local.report_backoff(provider, cause, wait, sent_at)
+            self._local.report_backoff(provider, cause, wait, sent_at, reduce=reduce)
 
     def set_limit(self, provider: str, limit: int | None) -> None:
         self._require(provider)

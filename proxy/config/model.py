@@ -399,6 +399,8 @@ class Defaults(_Frozen):
     release_cooldown: Duration = 0.0
     default_pause: Duration = 30.0
     backoff_statuses: Statuses = (429,)
+    reduce_statuses: Statuses = (429,)
+    overload_pause: Duration = 5.0
     retry_on_429: Count = 2
     slot_timeout: PositiveDuration = 900.0
     idle_timeout: PositiveDuration = 120.0
@@ -430,6 +432,8 @@ class Provider(_Frozen):
     release_cooldown: Duration = _INHERIT
     default_pause: Duration = _INHERIT
     backoff_statuses: Statuses = _INHERIT
+    reduce_statuses: Statuses = _INHERIT
+    overload_pause: Duration = _INHERIT
     retry_on_429: Count = _INHERIT
     slot_timeout: PositiveDuration = _INHERIT
     idle_timeout: PositiveDuration = _INHERIT
@@ -494,6 +498,8 @@ class ProviderSettings(_Frozen):
     release_cooldown: Seconds
     default_pause: Seconds
     backoff_statuses: frozenset[int]
+    reduce_statuses: frozenset[int]
+    overload_pause: Seconds
     retry_on_429: int
     slot_timeout: Seconds
     idle_timeout: Seconds
@@ -502,7 +508,7 @@ class ProviderSettings(_Frozen):
     max_queue: int
     recovery: Recovery | None
 
-    @field_serializer("slot_methods", "backoff_statuses", when_used="json")
+    @field_serializer("slot_methods", "backoff_statuses", "reduce_statuses", when_used="json")
     def _sorted(self, values: frozenset[Any]) -> list[Any]:
         return sorted(values)
 

@@ -108,14 +108,17 @@ class LimitLevel:
 
     # ----- backoff ---------------------------------------------------------------
 
-    def report_backoff(self, cause: str, wait: float | None = None, *, sent_at: float | None = None) -> None:
-        """Upstream said "slow down": pause and lower the limit once per burst (``policy.same_burst``)."""
+    def report_backoff(self, cause: str, wait: float | None = None, *, sent_at: float | None = None,
+                       reduce: bool = True) -> None:
+        """Upstream said "slow down": pause, and when ``reduce``, lower the limit once per burst
+        (``policy.same_burst``). An overload pauses for ``overload_pause`` when no wait is stated."""
         now = self._clock.time()
         self.counters["backoffs"] += 1
         same_burst = policy.same_burst(now, self._paused_until, sent_at, self._last_reduction_at)
-        self._pause_until(now + policy.pause_length(wait, self._settings.default_pause), cause)
+        default = policy.default_pause(reduce, self._settings.default_pause, self._settings.overload_pause)
+        self._pause_until(now + policy.pause_length(wait, default), cause)
         self._quiet_since = now
-        if not same_burst:
+        if reduce and not same_burst:
             self._last_reduction_at = now
             self._auto_reduce(cause)
         self._arm_recovery()

@@ -14,18 +14,21 @@ rule), never read here.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 __all__ = [
+    "CLIENT_DEADLINE_MARGIN",
     "COUNTERS",
     "MAX_LIMIT",
     "QUEUE_LISTED",
     "LimitKey",
     "auto_reduce_notice",
+    "default_pause",
     "pause_length",
     "prompt_ms",
     "queue_key",
+    "queue_timeout_message",
+    "queue_wait_limit",
     "recovering_notice",
     "recovery_step",
     "reduced_limit",
@@ -43,8 +46,13 @@ QUEUE_LISTED = 1000
 COUNTERS = ("granted", "queue_full", "queue_timeouts", "reclaims", "backoffs", "auto_reductions")
 """The counters every backend keeps per limit, by these names."""
 
+CLIENT_DEADLINE_MARGIN = 5.0
+"""A request whose client sent its own timeout is answered this long before that timeout ends."""
+
 _PROMPT_MS_BITS = 48
 _ARRIVAL_BITS = 40
+_PROMPT_MS_MAX = (1 << _PROMPT_MS_BITS) - 1
+_UNSTARRED = 1 << (_PROMPT_MS_BITS + _ARRIVAL_BITS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +89,12 @@ def pause_length(stated_wait: float | None, default_pause: float) -> float:
     return default_pause if stated_wait is None else max(0.0, stated_wait)
 
 
+def default_pause(reduces: bool, default_pause: float, overload_pause: float) -> float:
+    """The pause when no wait is stated: ``default_pause`` for a rate limit (it also lowers the limit),
+    ``overload_pause`` for an overload (a provider-wide condition: it pauses only)."""
+    return default_pause if reduces else overload_pause
+
+
 def same_burst(now: float, paused_until: float | None, sent_at: float | None, last_reduction_at: float) -> bool:
     """A backoff belongs to the burst that already lowered the limit when the limit is paused,
     or when its request was granted before the latest reduction: it extends the pause only."""
@@ -111,11 +125,30 @@ def retry_after_hint(now: float, paused_until: float | None) -> float:
 
 def prompt_ms(prompt_started_at: float) -> int:
     """A prompt start as both backends compare it: whole epoch milliseconds."""
-    return max(0, math.floor(prompt_started_at * 1000))
+    return max(0, int(prompt_started_at * 1000))
+
+
+def queue_wait_limit(queue_timeout: float | None, client_wait: float | None) -> tuple[float | None, bool]:
+    """How long a request may wait in the queue, and whether the client's own deadline is what bounds it
+    (its SDK's timeout, less a margin, so it gets a clean 503 rather than giving up on its own)."""
+    if client_wait is not None and (queue_timeout is None or client_wait < queue_timeout):
+        return client_wait, True
+    return queue_timeout, False
+
+
+def queue_timeout_message(provider: str, waited: float | None, client_bound: bool) -> str:
+    if client_bound:
+        return (f"no slot on provider '{provider}' within the client's own timeout (X-Stainless-Timeout, "
+                f"less {CLIENT_DEADLINE_MARGIN:g}s); answered before it gives up, retry later")
+    return f"waited longer than queue_timeout ({waited or 0:g}s) for a slot on provider '{provider}'; retry later"
 
 
 def queue_key(starred: bool, prompt_started_at: float, arrival: int) -> int:
     """Queue order packed in one int: starred first, then the oldest prompt (whole milliseconds,
     as the Redis backend compares them), then arrival. Smaller goes first."""
-    started = min(prompt_ms(prompt_started_at), (1 << _PROMPT_MS_BITS) - 1)
-    return ((0 if starred else 1) << (_PROMPT_MS_BITS + _ARRIVAL_BITS)) | (started << _ARRIVAL_BITS) | arrival
+    started = int(prompt_started_at * 1000)  # prompt_ms, written out: this runs on every enqueue
+    if started < 0:
+        started = 0
+    elif started > _PROMPT_MS_MAX:
+        started = _PROMPT_MS_MAX
+    return (0 if starred else _UNSTARRED) | (started << _ARRIVAL_BITS) | arrival

@@ -39,6 +39,7 @@ class LimiterSettings:
     limit: int | None = None
     release_cooldown: float = 0.0
     default_pause: float = 30.0
+    overload_pause: float = 5.0
     slot_timeout: float | None = 900.0
     queue_timeout: float | None = 600.0
     max_queue: int = 10_000
@@ -225,12 +226,14 @@ class ProviderLimiter:
         on_grant: Callable[[Lease], None],
         on_reject: Callable[[ProxyError], None] | None = None,
         seq: int | None = None,
+        client_wait: float | None = None,
     ) -> Waiter:
         """Queue a request; ``on_grant(lease)`` is called when its turn comes.
 
-        ``on_reject(error)`` is called instead if it times out (QueueTimeout) or
-        the queue is shed (shutdown). Raises QueueFull when ``max_queue``
-        waiters are already queued.
+        ``on_reject(error)`` is called instead if it times out (QueueTimeout: after
+        queue_timeout, or ``client_wait`` when that is shorter) or the queue is shed
+        (shutdown). Raises QueueFull when ``max_queue`` waiters are already queued,
+        and QueueTimeout when ``client_wait`` leaves it no time to wait at all.
         """
         if len(self._queue) >= self._settings.max_queue:
             self.counters["queue_full"] += 1
@@ -240,6 +243,11 @@ class ProviderLimiter:
                 retry_after=self._retry_after_hint(),
             )
         now = self._clock.time()
+        limit, client_bound = policy.queue_wait_limit(self._settings.queue_timeout, client_wait)
+        if limit is not None and limit <= 0:
+            self.counters["queue_timeouts"] += 1
+            raise QueueTimeout(policy.queue_timeout_message(self.name, limit, client_bound),
+                               retry_after=self._retry_after_hint())
         waiter = Waiter(
             priority=priority,
             seq=self.next_arrival() if seq is None else seq,
@@ -247,10 +255,11 @@ class ProviderLimiter:
             on_grant=on_grant,
             on_reject=on_reject,
             starred=priority.starred or priority.workspace in self._starred,
+            client_bound=client_bound,
         )
         self._queue.push(waiter)
-        if self._settings.queue_timeout is not None:
-            self._deadlines.add(waiter, now + self._settings.queue_timeout)
+        if limit is not None:
+            self._deadlines.add(waiter, now + limit)
         self._dispatch()
         if waiter.queued and self.gate is not None:
             self.gate.request_poll()
@@ -273,11 +282,10 @@ class ProviderLimiter:
             self.name, waiter.priority.workspace, self._clock.time() - waiter.enqueued_at,
         )
         if on_reject is not None:
-            on_reject(QueueTimeout(
-                f"waited longer than queue_timeout ({self._settings.queue_timeout:g}s) for a slot "
-                f"on provider '{self.name}'; retry later",
-                retry_after=self._retry_after_hint(),
-            ))
+            waited = self._clock.time() - waiter.enqueued_at
+            shown = waited if waiter.client_bound else self._settings.queue_timeout
+            on_reject(QueueTimeout(policy.queue_timeout_message(self.name, shown, waiter.client_bound),
+                                   retry_after=self._retry_after_hint()))
 
     def shed(self, error: ProxyError) -> int:
         """Reject every waiter (graceful shutdown); returns how many there were."""
@@ -402,14 +410,16 @@ class ProviderLimiter:
 
     # ----- backoff ---------------------------------------------------------------
 
-    def report_backoff(self, cause: str, wait: float | None = None, *, sent_at: float | None = None) -> None:
-        """Upstream said "slow down": the level that answered pauses and lowers its limit once per burst.
+    def report_backoff(self, cause: str, wait: float | None = None, *, sent_at: float | None = None,
+                       reduce: bool = True) -> None:
+        """Upstream said "slow down": the level that answered pauses, and lowers its limit once per burst
+        when ``reduce`` (a status in ``reduce_statuses``; an overload only pauses).
 
         ``sent_at`` is when the reporting request was granted. A request granted
         before the latest reduction belongs to the burst that caused it, so its
         429 extends the pause but does not lower the limit again.
         """
-        self.level.report_backoff(cause, wait, sent_at=sent_at)
+        self.level.report_backoff(cause, wait, sent_at=sent_at, reduce=reduce)
 
     # ----- control ---------------------------------------------------------------
 

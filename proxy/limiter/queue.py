@@ -36,6 +36,8 @@ class Waiter:
     on_reject: Callable[[Any], None] | None = None
     starred: bool = False
     queued: bool = True
+    client_bound: bool = False
+    """Its wait is bounded by the client's own deadline rather than queue_timeout."""
 
     def forget_callbacks(self) -> None:
         """Drop the references to the caller's future once the waiter has left the queue."""

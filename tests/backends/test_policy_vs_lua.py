@@ -117,6 +117,7 @@ class Acquire:
     age: float = 0.0
     starred: bool = False
     workspace: str = "default"
+    client_wait: float | None = None
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class Backoff:
     cause: str
     wait: float | None
     sent_by: str | None = None
+    reduce: bool = True
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ async def apply(side: Side, step: Any, prefix_settings: dict[str, Any]) -> None:
         started = math.floor(side.base * 1000) / 1000 - step.age
         priority = Priority(prompt_started_at=started, workspace=step.workspace, starred=step.starred)
         before = await _queued(side)
-        side.waiting[step.name] = asyncio.create_task(backend.acquire(P, priority))
+        side.waiting[step.name] = asyncio.create_task(backend.acquire(P, priority, client_wait=step.client_wait))
         for _ in range(200):  # granted, rejected or queued before the next step: arrival order is the steps'
             await side.settle()
             if step.name not in side.waiting or await _queued(side) > before:
@@ -168,7 +170,7 @@ async def apply(side: Side, step: Any, prefix_settings: dict[str, Any]) -> None:
         side.leases.pop(step.name).release()
     elif isinstance(step, Backoff):
         sent_at = side.leases[step.sent_by].granted_at if step.sent_by else side.now()
-        backend.report_backoff(P, step.cause, step.wait, sent_at)
+        backend.report_backoff(P, step.cause, step.wait, sent_at, reduce=step.reduce)
     elif isinstance(step, SetLimit):
         backend.set_limit(P, step.limit)
     elif isinstance(step, Advance):
@@ -272,6 +274,16 @@ SCENARIOS: dict[str, tuple[list[Any], dict[str, Any]]] = {
         Advance(0.4),
         Expect({"paused": False}),
     ], {}),
+    "an overload pauses for overload_pause and never lowers the limit": ([
+        Configure({"limit": 3, "overload_pause": 0.3}),
+        Acquire("a"),
+        Backoff("529", None, "a", reduce=False),
+        Expect({"paused": True, "limit": 3, "auto_reduced": False, "notice": None}),
+        Advance(0.4),
+        Expect({"paused": False}),
+        Backoff("429", 0.05, "a"),  # a rate limit after the overload is a burst of its own
+        Expect({"limit": 2, "notice": notice_reduced(2, "429")}),
+    ], {}),
     "recovery raises the limit step by step with the policy's notice": ([
         Configure({"limit": 4, "recovery_after": 0.4}),
         Acquire("a"),
@@ -309,6 +321,15 @@ SCENARIOS: dict[str, tuple[list[Any], dict[str, Any]]] = {
         Advance(0.4),
         Expect({"queued": 0, "rejected": {"queue_full": 0, "queue_timeout": 1}},
                rejected={"late": ("QueueTimeout", 5)}),
+    ], {}),
+    "the client's own deadline answers before queue_timeout, counted as a queue timeout": ([
+        Configure({"limit": 1, "queue_timeout": 600.0}),
+        Acquire("holder"),
+        Backoff("429", 4.0, "holder"),
+        Acquire("sdk", client_wait=0.3), Acquire("no-time", client_wait=0.0), Acquire("patient"),
+        Advance(0.4),
+        Expect({"queued": 1, "rejected": {"queue_full": 0, "queue_timeout": 2}},
+               rejected={"sdk": ("QueueTimeout", 4), "no-time": ("QueueTimeout", 4)}),
     ], {}),
     "queue full is counted, with the pause-aware hint": ([
         Configure({"limit": 1, "max_queue": 1}),

@@ -69,3 +69,21 @@ async def test_ten_thousand_waiters_on_two_replicas_are_served_in_order(key_pref
         for replica in replicas:
             await replica.close()
         await probe.aclose()
+
+
+async def test_requests_granted_at_once_leave_no_queue_deadline_behind(key_prefix: str) -> None:
+    """Found by bench/redis_backend.py: a waiter granted in ENQUEUE's own answer stayed in the deadline
+    heap until its queue_timeout, and every acquire re-heaped them all (cost growing with traffic)."""
+    require_redis()
+    backend = RedisBackend(REDIS_URL, key_prefix=key_prefix, lease_ttl=6.0)
+    await backend.start()
+    try:
+        backend.configure({"p": LimiterSettings(limit=100, slot_timeout=None)}, frozenset())
+        await backend.flush()
+        for _ in range(300):
+            lease = await backend.acquire("p", Priority(prompt_started_at=T0))
+            lease.release()
+        await backend.flush()
+        assert len(backend._deadlines) == 0
+    finally:
+        await backend.close()

@@ -210,6 +210,8 @@ def test_provider_inherits_and_overrides() -> None:
         release_cooldown=0.0,
         default_pause=60.0,
         backoff_statuses=frozenset({429}),
+        reduce_statuses=frozenset({429}),
+        overload_pause=5.0,
         retry_on_429=2,
         slot_timeout=900.0,
         idle_timeout=120.0,
