@@ -108,6 +108,14 @@ def json_reply(status: int, body: dict[str, Any], headers: dict[str, str] | None
     return reply
 
 
+def held_until(gate: asyncio.Event) -> Callable[..., Any]:
+    """A reply that holds its request (and so its slot) until the test opens the gate."""
+    async def reply(request: web.Request) -> web.Response:
+        await gate.wait()
+        return web.json_response({"ok": True})
+    return reply
+
+
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "zstd"])
 async def test_a_compressed_stream_arrives_byte_identical_and_its_error_still_backs_off(
         start_proxy, upstream: Upstream, client: aiohttp.ClientSession, encoding: str) -> None:
@@ -209,11 +217,7 @@ async def test_a_wait_stated_only_in_words_is_the_pause(
 async def test_codex_turn_metadata_orders_the_queue_oldest_turn_first(
         start_proxy, upstream: Upstream, client: aiohttp.ClientSession) -> None:
     gate = asyncio.Event()
-
-    async def held(request: web.Request) -> web.Response:
-        await gate.wait()
-        return web.json_response({"ok": True})
-
+    held = held_until(gate)
     upstream.replies = [held, json_reply(200, {"ok": True})]
     proxy = await proxy_for(start_proxy, upstream, limit=1)
     url = f"{proxy.url}/p/responses"
@@ -245,11 +249,7 @@ async def test_codex_turn_metadata_orders_the_queue_oldest_turn_first(
 async def test_the_clients_own_deadline_gets_a_clean_503_before_it_gives_up(
         start_proxy, upstream: Upstream, client: aiohttp.ClientSession) -> None:
     gate = asyncio.Event()
-
-    async def held(request: web.Request) -> web.Response:
-        await gate.wait()
-        return web.json_response({"ok": True})
-
+    held = held_until(gate)
     upstream.replies = [held]
     proxy = await proxy_for(start_proxy, upstream, limit=1, queue_timeout="10m")
     holder = asyncio.create_task(client.post(f"{proxy.url}/p/messages", json=chat()))
