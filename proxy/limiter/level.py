@@ -86,9 +86,8 @@ class LimitLevel:
         return self._notice
 
     def has_room(self) -> bool:
-        if self._paused_until is not None:
-            return False
-        return self._limit is None or self._held + self._cooling < self._limit
+        limit = self._limit
+        return self._paused_until is None and (limit is None or self._held + self._cooling < limit)
 
     def take(self) -> None:
         self._held += 1

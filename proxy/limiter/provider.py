@@ -202,8 +202,8 @@ class ProviderLimiter:
         self.on_change: Callable[[], None] | None = None
         self.counters = {"granted": 0, "queue_full": 0, "queue_timeouts": 0, "reclaims": 0}
         self.level = LimitLevel(LimitKey(name), settings, clock, on_room=self._dispatch, on_change=self._changed)
-        """The provider's own limit. Every slot is counted here; further levels add to ``_levels``."""
-        self._levels: tuple[LimitLevel, ...] = (self.level,)
+        """The provider's own limit. Every slot is counted here, and at each of ``_more_levels``."""
+        self._more_levels: tuple[LimitLevel, ...] = ()
 
     # ----- admission -------------------------------------------------------------
 
@@ -243,7 +243,10 @@ class ProviderLimiter:
                 retry_after=self._retry_after_hint(),
             )
         now = self._clock.time()
-        limit, client_bound = policy.queue_wait_limit(self._settings.queue_timeout, client_wait)
+        if client_wait is None:  # the policy's answer without a client deadline, without the call
+            limit, client_bound = self._settings.queue_timeout, False
+        else:
+            limit, client_bound = policy.queue_wait_limit(self._settings.queue_timeout, client_wait)
         if limit is not None and limit <= 0:
             self.counters["queue_timeouts"] += 1
             raise QueueTimeout(policy.queue_timeout_message(self.name, limit, client_bound),
@@ -321,7 +324,9 @@ class ProviderLimiter:
 
     def _may_grant(self) -> bool:
         """Room at every level at once, and the usage gate (if any) agrees."""
-        for level in self._levels:
+        if not self.level.has_room():
+            return False
+        for level in self._more_levels:
             if not level.has_room():
                 return False
         return self.gate is None or self.gate.admits()
@@ -329,7 +334,8 @@ class ProviderLimiter:
     def _grant(self, priority: Priority, seq: int, queue_wait: float) -> Lease:
         now = self._clock.time()
         lease = Lease(self, priority, seq, granted_at=now, queue_wait=queue_wait)
-        for level in self._levels:
+        self.level.take()
+        for level in self._more_levels:
             level.take()
         self._active.add(lease)
         self.counters["granted"] += 1
@@ -402,8 +408,8 @@ class ProviderLimiter:
         self._active.discard(lease)
         if self.gate is not None:
             self.gate.request_poll()
-        free_now = True
-        for level in self._levels:
+        free_now = self.level.give_back()
+        for level in self._more_levels:
             free_now &= level.give_back()
         if free_now:
             self._dispatch()
