@@ -126,9 +126,11 @@ class _Waiter:
     handed back by that CANCEL, not taken."""
 
     __slots__ = ("asked_at", "client_bound", "client_wait", "expiring", "future", "gone", "in_redis", "local",
-                 "priority", "provider", "seq", "wait_limit")
+                 "priority", "provider", "seq", "wait_limit", "waiter_id")
 
-    def __init__(self, future: asyncio.Future[RedisLease], provider: str, priority: Priority, asked_at: float) -> None:
+    def __init__(self, waiter_id: str, future: asyncio.Future[RedisLease], provider: str, priority: Priority,
+                 asked_at: float) -> None:
+        self.waiter_id = waiter_id
         self.future = future
         self.provider = provider
         self.priority = priority
@@ -319,7 +321,7 @@ class RedisBackend:
             return await self._local.acquire(provider, priority, seq=seq, client_wait=client_wait)
         loop = asyncio.get_running_loop()
         waiter_id = f"{self.replica}-{next(self._ids)}"
-        waiter = _Waiter(loop.create_future(), provider, priority, loop.time())
+        waiter = _Waiter(waiter_id, loop.create_future(), provider, priority, loop.time())
         waiter.wait_limit, waiter.client_bound = policy.queue_wait_limit(settings.queue_timeout, client_wait)
         waiter.client_wait = client_wait
         self._waiters[waiter_id] = waiter
@@ -350,11 +352,10 @@ class RedisBackend:
 
     def _expire(self, waiter: _Waiter) -> None:
         """queue_timeout passed: leave the queue in Redis (counted there), then answer with the pause-aware hint."""
-        waiter_id = next((wid for wid, w in self._waiters.items() if w is waiter), None)
-        if waiter_id is None:
+        if waiter.gone:
             return
         waiter.expiring = True
-        self._spawn(self._time_out(waiter_id, waiter))
+        self._spawn(self._time_out(waiter.waiter_id, waiter))
 
     async def _time_out(self, waiter_id: str, waiter: _Waiter) -> None:
         settings = self._settings.get(waiter.provider)

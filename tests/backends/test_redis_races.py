@@ -103,7 +103,7 @@ async def test_a_grant_picked_up_for_a_waiter_that_left_is_handed_back(one_slot,
     """RENEW and a repeated ENQUEUE take a grant out of Redis; if its waiter already left, no CANCEL
     script can find it any more, so the replica releases the lease itself."""
     backend, client = one_slot
-    gone = _Waiter(asyncio.get_running_loop().create_future(), "p", prio(), 0.0)
+    gone = _Waiter(f"{backend.replica}-gone", asyncio.get_running_loop().create_future(), "p", prio(), 0.0)
     result = await backend._enqueue(f"{backend.replica}-gone", gone, LimiterSettings(limit=1))
     assert int(result[0]) == 1, "granted at once: the slot was free"
     assert client.zcard(f"{key_prefix}:p:leases") == 1
