@@ -96,7 +96,6 @@ class ConnectionGuard:
 
     def __init__(self, settings: ConnectionSettings | None = None) -> None:
         self.settings = settings or ConnectionSettings()
-        self.cap = self.settings.max_connections
         self._open: dict[GuardedRequestHandler, None] = {}
         self._warned: tuple[int, int] | None = None
         self.refused = ThrottledLog(log, logging.WARNING, "refused a client connection: %d open, every one busy "

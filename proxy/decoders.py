@@ -16,10 +16,9 @@ import zlib
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-__all__ = ["ENCODINGS", "StreamDecoder", "decoder_for", "zstd_module"]
+__all__ = ["StreamDecoder", "decoder_for", "zstd_module"]
 
 PIECE = 64 * 1024
-ENCODINGS = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd"})
 
 
 class StreamDecoder(Protocol):

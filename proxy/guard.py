@@ -37,7 +37,8 @@ _MAX_DECODE_ROUNDS = 3
 
 
 def is_loopback_address(host: str) -> bool:
-    """A listen address (or Host name) that only this machine can reach."""
+    """A listen address (or Host name) that only this machine can reach: 127.0.0.0/8, ``::1`` or
+    ``localhost``, as literals, never a name DNS could rebind."""
     if host.lower() == "localhost":
         return True
     try:
@@ -53,16 +54,6 @@ def host_name(host_header: str) -> str:
         end = value.find("]")
         return value[1:end] if end > 0 else value
     return _PORT.sub("", value)
-
-
-def _loopback_literal(name: str) -> bool:
-    """127.0.0.0/8 as a dotted quad, ``::1``, or ``localhost``: never a name DNS could rebind."""
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +81,7 @@ class BrowserGuard:
             return True
         if not self.loopback_listener and not self.allowed_hosts:
             return True
-        return _loopback_literal(name)
-
-    def origin_listed(self, origin: str) -> bool:
-        return origin.lower() in self.allowed_origins
+        return is_loopback_address(name)
 
     def origin_allowed(self, origin: str, host_header: str | None) -> bool:
         """The proxy's own origin (so the dashboard works) or one listed in ``allowed_origins``."""

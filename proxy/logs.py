@@ -9,10 +9,11 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from aiohttp.http_exceptions import HttpProcessingError
 
-__all__ = ["JsonFormatter", "QuietParserErrors", "ThrottledLog", "mask_secrets", "setup_logging"]
+__all__ = ["JsonFormatter", "QuietParserErrors", "ReportPacer", "ThrottledLog", "mask_secrets", "setup_logging"]
 
 _SECRET = re.compile(
     r"(?i)(authorization|x-api-key|api[_-]?key|token|bearer)(\"?\s*[:=]?\s*\"?)(bearer\s+)?([A-Za-z0-9._~+/=-]{8,})"
@@ -24,6 +25,28 @@ def mask_secrets(text: str) -> str:
     """Mask anything that looks like a credential; a last line of defence, not the only one."""
     text = _SECRET.sub(lambda m: f"{m.group(1)}{m.group(2)}{m.group(3) or ''}***", text)
     return _KEY_SHAPED.sub("***", text)
+
+
+@dataclass(slots=True)
+class ReportPacer:
+    """Counts an event that repeats and says when one report may stand for it: at most once per ``interval``."""
+
+    interval: float = 1.0
+    last: float | None = None
+    unreported: int = 0
+
+    def count(self, now: float) -> int | None:
+        """Count one event; how many a report made now stands for, or None while the last one is recent."""
+        self.unreported += 1
+        if self.last is not None and now - self.last < self.interval:
+            return None
+        return self.take(now)
+
+    def take(self, now: float) -> int:
+        """Report now: the events counted since the last report."""
+        self.last = now
+        count, self.unreported = self.unreported, 0
+        return count
 
 
 class ThrottledLog:
@@ -40,33 +63,30 @@ class ThrottledLog:
         self._logger = logger
         self._level = level
         self._message = message
-        self._interval = interval
         self._clock = clock
-        self._last: float | None = None
-        self._unreported = 0
+        self._pacer = ReportPacer(interval)
         self._args: tuple[object, ...] = ()
         self._flush_pending = False
 
     def event(self, *args: object) -> bool:
         """Count one event; log it (with the count) if the last line is old enough. True when logged."""
-        self._unreported += 1
         self._args = args
         now = self._clock()
-        if self._last is not None and now - self._last < self._interval:
-            self._schedule_flush(self._last + self._interval - now)
+        count = self._pacer.count(now)
+        if count is None:
+            assert self._pacer.last is not None
+            self._schedule_flush(self._pacer.last + self._pacer.interval - now)
             return False
-        self._write(now)
+        self._write(count)
         return True
 
     def flush(self) -> None:
         """Report the events held back since the last line, if any."""
         self._flush_pending = False
-        if self._unreported:
-            self._write(self._clock())
+        if self._pacer.unreported:
+            self._write(self._pacer.take(self._clock()))
 
-    def _write(self, now: float) -> None:
-        self._last = now
-        count, self._unreported = self._unreported, 0
+    def _write(self, count: int) -> None:
         self._logger.log(self._level, self._message + " (%d since the last report)", *self._args, count)
 
     def _schedule_flush(self, delay: float) -> None:

@@ -5,15 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..logs import ReportPacer
+
 __all__ = ["AuthFailures"]
 
 
 @dataclass(slots=True)
 class _Address:
     window_start: float
+    pacer: ReportPacer
     failures: int = 0
-    logged_at: float | None = None
-    unlogged: int = 0
 
 
 class AuthFailures:
@@ -57,11 +58,6 @@ class AuthFailures:
         if entry is None:
             if len(self._addresses) >= self._max_tracked:
                 del self._addresses[next(iter(self._addresses))]
-            entry = self._addresses[address] = _Address(window_start=now)
+            entry = self._addresses[address] = _Address(window_start=now, pacer=ReportPacer(self._log_interval))
         entry.failures += 1
-        entry.unlogged += 1
-        if entry.logged_at is not None and now - entry.logged_at < self._log_interval:
-            return None
-        entry.logged_at = now
-        count, entry.unlogged = entry.unlogged, 0
-        return count
+        return entry.pacer.count(now)

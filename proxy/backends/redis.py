@@ -355,22 +355,21 @@ class RedisBackend:
         if waiter.gone:
             return
         waiter.expiring = True
-        self._spawn(self._time_out(waiter.waiter_id, waiter))
+        self._spawn(self._time_out(waiter))
 
-    async def _time_out(self, waiter_id: str, waiter: _Waiter) -> None:
+    async def _time_out(self, waiter: _Waiter) -> None:
         settings = self._settings.get(waiter.provider)
         hint = 1.0
-        answer = await self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel,
-                                     "0", "1")
+        answer = await self._guarded("CANCEL", waiter.provider, waiter.waiter_id, self._lease_ttl_ms,
+                                     self._channel, "0", "1")
         if answer is not None:
             hint = _hint_from(answer)
         log.warning("provider=%s request from workspace=%s timed out after %.1fs in the queue", waiter.provider,
                     waiter.priority.workspace, asyncio.get_running_loop().time() - waiter.asked_at)
         if not waiter.future.done():
-            waited = asyncio.get_running_loop().time() - waiter.asked_at
-            shown = waited if waiter.client_bound else (settings.queue_timeout if settings is not None else None)
+            timeout = settings.queue_timeout if settings is not None else None
             waiter.future.set_exception(QueueTimeout(
-                policy.queue_timeout_message(waiter.provider, shown, waiter.client_bound), retry_after=hint))
+                policy.queue_timeout_message(waiter.provider, timeout, waiter.client_bound), retry_after=hint))
 
     async def _wait_for_grant(self, waiter_id: str, waiter: _Waiter, settings: LimiterSettings,
                               seq: int | None) -> SlotLease:

@@ -136,11 +136,12 @@ def queue_wait_limit(queue_timeout: float | None, client_wait: float | None) -> 
     return queue_timeout, False
 
 
-def queue_timeout_message(provider: str, waited: float | None, client_bound: bool) -> str:
+def queue_timeout_message(provider: str, queue_timeout: float | None, client_bound: bool) -> str:
     if client_bound:
         return (f"no slot on provider '{provider}' within the client's own timeout (X-Stainless-Timeout, "
                 f"less {CLIENT_DEADLINE_MARGIN:g}s); answered before it gives up, retry later")
-    return f"waited longer than queue_timeout ({waited or 0:g}s) for a slot on provider '{provider}'; retry later"
+    return (f"waited longer than queue_timeout ({queue_timeout or 0:g}s) for a slot on provider '{provider}'; "
+            "retry later")
 
 
 def queue_key(starred: bool, prompt_started_at: float, arrival: int) -> int:

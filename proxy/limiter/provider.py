@@ -249,7 +249,7 @@ class ProviderLimiter:
             limit, client_bound = policy.queue_wait_limit(self._settings.queue_timeout, client_wait)
         if limit is not None and limit <= 0:
             self.counters["queue_timeouts"] += 1
-            raise QueueTimeout(policy.queue_timeout_message(self.name, limit, client_bound),
+            raise QueueTimeout(policy.queue_timeout_message(self.name, self._settings.queue_timeout, client_bound),
                                retry_after=self._retry_after_hint())
         waiter = Waiter(
             priority=priority,
@@ -285,9 +285,8 @@ class ProviderLimiter:
             self.name, waiter.priority.workspace, self._clock.time() - waiter.enqueued_at,
         )
         if on_reject is not None:
-            waited = self._clock.time() - waiter.enqueued_at
-            shown = waited if waiter.client_bound else self._settings.queue_timeout
-            on_reject(QueueTimeout(policy.queue_timeout_message(self.name, shown, waiter.client_bound),
+            on_reject(QueueTimeout(policy.queue_timeout_message(self.name, self._settings.queue_timeout,
+                                                                waiter.client_bound),
                                    retry_after=self._retry_after_hint()))
 
     def shed(self, error: ProxyError) -> int:
