@@ -1,4 +1,4 @@
-"""The aiohttp application: routes, the guarding middleware, and starting the server."""
+"""The aiohttp application: routes, the guarding middleware, the history sampler, and starting the server."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
 
+from .admin import history
 from .admin import routes as admin_routes
 from .connections import GuardedRunner
 from .errors import BadRequest, BodyTooLarge, Forbidden, ProxyError, UnknownProvider
@@ -146,6 +147,9 @@ def build_app(state: ProxyState) -> web.Application:
     app.router.add_route("*", "/{provider}", proxy_handler, expect_handler=_expect_continue)
     app.router.add_route("*", "/{provider}/{rest:[\\s\\S]*}", proxy_handler, expect_handler=_expect_continue)
     app.on_response_prepare.append(_finish_headers)
+    sampler = history.HistorySampler(state.backend, history.History(history.SAMPLE_INTERVAL))
+    app[admin_routes.HISTORY] = sampler.history
+    app.cleanup_ctx.append(sampler.running)
 
     async def close_state(_: web.Application) -> None:
         await state.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -68,6 +69,19 @@ def check_bind(config: Config, host: str) -> None:
     )
 
 
+def check_backend_client(config: Config) -> None:
+    """``backend.kind: redis`` needs the redis client in this environment: say which install gives it."""
+    if config.backend.kind != "redis":
+        return
+    try:
+        importlib.import_module("redis.asyncio")
+        return
+    except ImportError:
+        pass
+    raise CliError("backend.kind is redis but the redis client is not installed in this Python: "
+                   "pip install 'redis[hiredis]>=5' (or reinstall slotproxy with its dependencies)")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
@@ -76,6 +90,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
     check_bind(config, host)
+    check_backend_client(config)
     setup_logging(args.log_format, args.log_level)
     return serve(config, str(path), host, port)
 
@@ -83,6 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     path = find_config(args.config)
     config = _load(path)
+    check_backend_client(config)
     print(f"# {path}: valid")
     for warning in config.warnings(os.environ):
         print(f"warning: {warning}", file=sys.stderr)
@@ -107,12 +123,23 @@ def _cell(value: object) -> str:
 def format_status(status: dict[str, Any]) -> str:
     columns = ("provider", "limit", "configured_limit", "in_flight", "queued", "paused_until", "cooldown_ms")
     headers = ("PROVIDER", "LIMIT", "CONFIGURED", "IN_FLIGHT", "QUEUED", "PAUSED_UNTIL", "COOLDOWN_MS")
-    rows = [headers] + [tuple(_cell(p.get(c)) for c in columns) for p in status.get("providers", [])]
+    rows: list[tuple[str, ...]] = [headers]
+    for provider in status.get("providers", []):
+        rows.append(tuple(_cell(provider.get(c)) for c in columns))
+        for key in provider.get("keys") or []:
+            name = f"  key {key.get('name')}" + ("" if key.get("available", True) else " (not set)")
+            rows.append((name, *(_cell(key.get(c)) for c in columns[1:4]), "-", _cell(key.get("paused_until")), "-"))
+        for model in provider.get("models") or []:
+            rows.append((f"  model {model.get('pattern')}", *(_cell(model.get(c)) for c in columns[1:4]),
+                         "-", "-", "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(headers))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
     for provider in status.get("providers", []):
         if provider.get("notice"):
             lines.append(f"! {provider['provider']}: {provider['notice']}")
+        for key in provider.get("keys") or []:
+            if key.get("notice"):
+                lines.append(f"! {provider['provider']} key {key.get('name')}: {key['notice']}")
     config = status.get("config") or {}
     if config.get("error"):
         lines.append(f"! config: {config['error']}")
@@ -128,7 +155,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_fake_upstream(args: argparse.Namespace) -> int:
     from . import fake_upstream
 
-    fake_upstream.run(port=args.port, cap=args.cap, chunks=args.chunks, delay_ms=args.delay_ms, lag_ms=args.lag_ms)
+    fake_upstream.run(port=args.port, cap=args.cap, chunks=args.chunks, delay_ms=args.delay_ms, lag_ms=args.lag_ms,
+                      key_limit=args.key_limit, window_requests=args.window_requests,
+                      window_seconds=args.window_seconds, unified=args.unified)
     return 0
 
 

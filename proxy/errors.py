@@ -40,6 +40,7 @@ __all__ = [
     "SlotproxyError",
     "StateError",
     "TooManyConnections",
+    "UnknownLimit",
     "UnknownProvider",
     "UpstreamTimeout",
     "UpstreamUnreachable",
@@ -99,6 +100,12 @@ class UnknownProvider(ProxyError):
         """The one wording for a provider id that is not configured (``configured`` lists the known ones)."""
         known = "" if configured is None else f"; configured: {', '.join(configured) or 'none'}"
         return cls(f"unknown provider '{provider}'{known}")
+
+
+class UnknownLimit(ProxyError):
+    """A key or model cap the provider does not have (admin API)."""
+
+    status, code = 404, "unknown_limit"
 
 
 class BodyTooLarge(ProxyError):

@@ -29,6 +29,9 @@ Request headers inject faults (so a test can reach them through a proxy):
                                 ``error`` event
 ``x-fake-chunks``               per-request ``chunks``
 ``x-fake-delay-ms``             per-request ``delay_ms``
+``x-fake-ratelimit-headers``    a JSON object of header names to string values,
+                                added verbatim to that answer (error or not),
+                                over any header of the same name
 ==============================  ===============================================
 
 ``br`` uses the ``brotli`` package and ``zstd`` the standard library's (or its
@@ -36,6 +39,46 @@ backport's) ``compression.zstd``, both installed with slotproxy.
 
 Only model requests (the four POST routes) are counted and capped; ``/v1/models``,
 ``/v1/usage`` and ``/stats`` never are, so polling them changes nothing.
+
+A request's *key* is the auth value it carries: ``Authorization`` without a
+leading ``Bearer ``, else ``x-api-key``, else ``""``. ``stats()["keys"]`` counts
+every key seen. With ``key_limit``, each key may have that many requests in
+flight, the global ``cap`` still applying too. With ``window_requests``, each
+key has a fixed window: its first model request opens one of
+``window_seconds``, in which at most ``window_requests`` requests are admitted
+(whatever their answer); the next is refused until the window ends, with a
+Retry-After (whole seconds, rounded up) and a retry-after-ms (exact) that say
+when. Refusals are checked in that order (window, ``cap``, ``key_limit``), each
+a 429 counted in ``rate_limited``; the window's also in ``window_rejected``.
+
+With ``window_requests`` set, every model answer past the header checks (200 or
+429, streamed or not) announces its key's window as it stands once this request
+was counted:
+
+==========================================  ====================================
+``x-ratelimit-limit-requests``              OpenAI routes: ``window_requests``
+``x-ratelimit-remaining-requests``          what is left of them
+``x-ratelimit-reset-requests``              the wait till the window resets,
+                                            rounded up to the ms: ``0.25s``,
+                                            ``1.5s`` (at most 3 decimals, under
+                                            a minute), ``6m0s``, ``1h2m3s``
+``x-ratelimit-limit-tokens``                ``WINDOW_TOKENS`` (1000000)
+``x-ratelimit-remaining-tokens``            that less ``TOKENS_PER_REQUEST``
+                                            (100) per request admitted
+``x-ratelimit-reset-tokens``                as ``x-ratelimit-reset-requests``
+``anthropic-ratelimit-requests-limit``      Anthropic: ``window_requests``
+``anthropic-ratelimit-requests-remaining``  what is left of them
+``anthropic-ratelimit-requests-reset``      the instant the window resets,
+                                            RFC 3339 UTC with microseconds:
+                                            ``2026-12-01T10:00:02.500000Z``
+``anthropic-ratelimit-tokens-limit``        as ``x-ratelimit-limit-tokens``
+``anthropic-ratelimit-tokens-remaining``    as ``x-ratelimit-remaining-tokens``
+``anthropic-ratelimit-tokens-reset``        as the requests' ``-reset``
+``anthropic-ratelimit-unified-status``      with ``unified``: ``allowed`` while
+                                            requests remain, else ``rejected``
+``anthropic-ratelimit-unified-reset``       with ``unified``: the reset, in
+                                            epoch seconds rounded up
+==========================================  ====================================
 """
 
 from __future__ import annotations
@@ -45,6 +88,7 @@ import asyncio
 import gzip
 import json
 import math
+import re
 import signal
 import socket
 import struct
@@ -53,7 +97,8 @@ import uuid
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -65,6 +110,9 @@ __all__ = ["FakeUpstream", "add_arguments", "run", "start_fake_upstream"]
 ARRIVALS_KEPT = 10_000
 DEFAULT_PORT = 9100
 MODEL = "fake-model"
+WINDOW_TOKENS = 1_000_000
+TOKENS_PER_REQUEST = 100
+MAX_WINDOW_SECONDS = 1e9
 
 _OPENAI_ERROR_TYPES = {
     400: "invalid_request_error",
@@ -89,6 +137,7 @@ _RATE_LIMIT_MESSAGE = (
 )
 _STREAM_ERROR_FORMS = frozenset({"failed", "event"})
 _ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
 def _sse(data: Any, event: str | None = None) -> bytes:
@@ -99,6 +148,68 @@ def _sse(data: Any, event: str | None = None) -> bytes:
 
 def _piece(index: int) -> str:
     return f"tok{index} "
+
+
+def _key(headers: Mapping[str, str]) -> str:
+    """The auth value a request carries: ``Authorization`` without ``Bearer ``, else ``x-api-key``, else ""."""
+    auth = headers.get("Authorization", "").strip()
+    if auth:
+        return auth[len("bearer "):].strip() if auth[:len("bearer ")].lower() == "bearer " else auth
+    return headers.get("x-api-key", "").strip()
+
+
+def _openai_duration(seconds: float) -> str:
+    """A wait the way OpenAI's ``x-ratelimit-reset-*`` put it: ``0.25s``, ``1.5s``, ``6m0s``, ``1h2m3s``.
+
+    Rounded up to the millisecond, so a client that waits that long finds the window reset.
+    """
+    ms = max(0, math.ceil(seconds * 1000))
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    secs = f"{ms / 1000:.3f}".rstrip("0").rstrip(".") + "s"
+    if hours:
+        return f"{hours}h{minutes}m{secs}"
+    return f"{minutes}m{secs}" if minutes else secs
+
+
+def _rfc3339(epoch: float) -> str:
+    """``epoch`` as RFC 3339 UTC with microseconds: ``2026-12-01T10:00:02.500000Z``."""
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class _KeyStats:
+    """One key's statistics, as ``stats()["keys"][key]`` shows them."""
+
+    requests: int = 0
+    in_flight: int = 0
+    max_concurrent: int = 0
+    rejected: int = 0
+
+
+@dataclass
+class _Window:
+    """One key's fixed request window: opened (on ``time.monotonic()``) by a request, and what it admitted."""
+
+    opened: float
+    admitted: int = 0
+
+
+@dataclass(frozen=True)
+class _WindowState:
+    """A key's window as one answer announces it, once that request was counted."""
+
+    limit: int
+    admitted: int
+    left: float
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.limit - self.admitted)
+
+    @property
+    def tokens_remaining(self) -> int:
+        return max(0, WINDOW_TOKENS - TOKENS_PER_REQUEST * self.admitted)
 
 
 @dataclass(frozen=True)
@@ -151,6 +262,18 @@ class _Dialect(ABC):
             "prompt_tokens": reply.prompt_tokens,
             "completion_tokens": reply.chunks,
             "total_tokens": reply.prompt_tokens + reply.chunks,
+        }
+
+    def window_headers(self, window: _WindowState, *, unified: bool) -> dict[str, str]:
+        """The headers announcing ``window``; ``unified`` matters to Anthropic only."""
+        reset = _openai_duration(window.left)
+        return {
+            "x-ratelimit-limit-requests": str(window.limit),
+            "x-ratelimit-remaining-requests": str(window.remaining),
+            "x-ratelimit-reset-requests": reset,
+            "x-ratelimit-limit-tokens": str(WINDOW_TOKENS),
+            "x-ratelimit-remaining-tokens": str(window.tokens_remaining),
+            "x-ratelimit-reset-tokens": reset,
         }
 
 
@@ -250,6 +373,22 @@ class _MessagesDialect(_Dialect):
     def stream_error(self, reply: _Reply, kind: str, *, after: int, form: str) -> bytes:
         error = {"type": kind, "message": f"In-stream error: {kind}"}
         return _sse({"type": "error", "error": error}, "error")
+
+    def window_headers(self, window: _WindowState, *, unified: bool) -> dict[str, str]:
+        resets_at = time.time() + window.left
+        reset = _rfc3339(resets_at)
+        headers = {
+            "anthropic-ratelimit-requests-limit": str(window.limit),
+            "anthropic-ratelimit-requests-remaining": str(window.remaining),
+            "anthropic-ratelimit-requests-reset": reset,
+            "anthropic-ratelimit-tokens-limit": str(WINDOW_TOKENS),
+            "anthropic-ratelimit-tokens-remaining": str(window.tokens_remaining),
+            "anthropic-ratelimit-tokens-reset": reset,
+        }
+        if unified:
+            headers["anthropic-ratelimit-unified-status"] = "allowed" if window.remaining else "rejected"
+            headers["anthropic-ratelimit-unified-reset"] = str(math.ceil(resets_at))
+        return headers
 
     @staticmethod
     def _message(reply: _Reply, content: list[dict[str, Any]], stop: str | None, out: int) -> dict[str, Any]:
@@ -444,6 +583,23 @@ def _encoding(headers: Mapping[str, str]) -> str | None:
     return _choice(headers, "x-fake-encoding", _ENCODINGS)
 
 
+def _header_object(headers: Mapping[str, str], name: str) -> dict[str, str]:
+    """The JSON object of header names to string values in header ``name``, each checked to be sendable."""
+    raw = headers.get(name)
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or not all(isinstance(item, str) for item in value.values()):
+        raise ValueError(f"{name} must be a JSON object of header names to string values, got {raw!r}")
+    for header, item in value.items():
+        if not _HEADER_NAME.fullmatch(header) or any(c in item for c in "\r\n\0"):
+            raise ValueError(f"{name} holds a header no answer can carry: {header!r}: {item!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class _Knobs:
     """The fault-injection headers of one request, validated."""
@@ -459,6 +615,7 @@ class _Knobs:
     stream_error_form: str
     chunks: int
     delay_ms: float
+    ratelimit_headers: dict[str, str]
 
     @classmethod
     def parse(cls, headers: Mapping[str, str], fake: FakeUpstream) -> _Knobs:
@@ -476,6 +633,7 @@ class _Knobs:
             stream_error_form=_choice(headers, "x-fake-stream-error-form", _STREAM_ERROR_FORMS) or "failed",
             chunks=fake.chunks if chunks is None else chunks,
             delay_ms=fake.delay_ms if delay is None else delay,
+            ratelimit_headers=_header_object(headers, "x-fake-ratelimit-headers"),
         )
 
 
@@ -511,7 +669,11 @@ class FakeUpstream:
     ``delay_ms`` apart; a non-streaming answer takes ``delay_ms``); ``lag_ms``
     keeps a finished request counted that much longer (the provider's
     accounting lag, also visible in ``/v1/usage``); ``retry_after`` is the
-    wait, in seconds, its 429s state. Options may be changed while running.
+    wait, in seconds, its cap 429s state. ``key_limit`` caps the requests in
+    flight per key; ``window_requests`` (None: no window) are admitted per key
+    per fixed window of ``window_seconds``, announced in every answer's
+    headers; ``unified`` adds Anthropic's unified status to them (see the
+    module's text). Options may be changed while running.
     """
 
     cap: int | None = None
@@ -519,41 +681,65 @@ class FakeUpstream:
     delay_ms: float = 20
     lag_ms: float = 0
     retry_after: float = 1.0
+    key_limit: int | None = None
+    window_requests: int | None = None
+    window_seconds: float = 60.0
+    unified: bool = False
     max_concurrency: int = field(default=0, init=False)
     active: int = field(default=0, init=False)
     rate_limited: int = field(default=0, init=False)
+    window_rejected: int = field(default=0, init=False)
     requests: int = field(default=0, init=False)
     completed: int = field(default=0, init=False)
     arrivals: list[dict[str, Any]] = field(default_factory=list, init=False)
     last_headers: dict[str, str] = field(default_factory=dict, init=False)
+    keys: dict[str, _KeyStats] = field(default_factory=dict, init=False)
+    _windows: dict[str, _Window] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.cap is not None and self.cap < 1:
-            raise ValueError(f"cap must be a positive integer or None, got {self.cap!r}")
+        for name in ("cap", "key_limit", "window_requests"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer or None, got {getattr(self, name)!r}")
         if self.chunks < 1:
             raise ValueError(f"chunks must be >= 1, got {self.chunks!r}")
         for name in ("delay_ms", "lag_ms", "retry_after"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 < self.window_seconds <= MAX_WINDOW_SECONDS:
+            raise ValueError(f"window_seconds must be > 0 and <= {MAX_WINDOW_SECONDS:g}, got {self.window_seconds!r}")
 
     def reset(self) -> None:
-        """Zero the statistics; ``active`` stays, since requests in flight will still end."""
+        """Zero the statistics and close every key's window.
+
+        ``active`` and the keys with requests in flight stay (with their
+        ``in_flight``), since those requests will still end.
+        """
         self.max_concurrency = self.active
-        self.rate_limited = self.requests = self.completed = 0
+        self.rate_limited = self.window_rejected = self.requests = self.completed = 0
         self.arrivals.clear()
         self.last_headers = {}
+        self.keys = {
+            key: _KeyStats(in_flight=account.in_flight, max_concurrent=account.in_flight)
+            for key, account in self.keys.items() if account.in_flight
+        }
+        self._windows.clear()
 
     def stats(self) -> dict[str, Any]:
-        """The statistics (and the cap), as ``GET /stats`` answers them."""
+        """The statistics (and the limits), as ``GET /stats`` answers them."""
         return {
             "cap": self.cap,
+            "key_limit": self.key_limit,
+            "window_requests": self.window_requests,
+            "window_seconds": self.window_seconds,
             "max_concurrency": self.max_concurrency,
             "active": self.active,
             "rate_limited": self.rate_limited,
+            "window_rejected": self.window_rejected,
             "requests": self.requests,
             "completed": self.completed,
             "arrivals": list(self.arrivals),
             "last_headers": dict(self.last_headers),
+            "keys": {key: asdict(account) for key, account in self.keys.items()},
         }
 
     def app(self) -> web.Application:
@@ -577,21 +763,61 @@ class FakeUpstream:
 
     async def _handle(self, request: web.Request, dialect: _Dialect) -> web.StreamResponse:
         body, size = await _read_json(request)
-        self._record(request, body)
+        key = _key(request.headers)
+        self._record(request, body, key)
         try:
             knobs = _Knobs.parse(request.headers, self)
         except ValueError as exc:
             return web.json_response(dialect.error_body(400, str(exc)), status=400)
-        if self.cap is not None and self.active >= self.cap:
-            return self._error(dialect, 429, "Concurrency limit exceeded", retry_after=True)
-        self._admit()
+        window = self._window(key)
+        refusal = self._refusal(key, window)
+        if refusal is not None:
+            message, wait = refusal
+            return self._error(dialect, 429, message, key=key, retry_after=wait,
+                               headers=self._headers(dialect, window, knobs))
+        self._admit(key, window)
+        headers = self._headers(dialect, window, knobs)
         try:
-            return await self._answer(request, dialect, knobs, self._reply(dialect, body, size, knobs))
+            return await self._answer(request, dialect, knobs, self._reply(dialect, body, size, knobs), key, headers)
         finally:
-            self._schedule_release()
+            self._schedule_release(key)
 
-    def _record(self, request: web.Request, body: dict[str, Any]) -> None:
+    def _window(self, key: str) -> _Window | None:
+        """``key``'s open window (a new one once the last has ended); None without ``window_requests``."""
+        if self.window_requests is None:
+            return None
+        now = time.monotonic()
+        window = self._windows.get(key)
+        if window is None or now - window.opened >= self.window_seconds:
+            window = self._windows[key] = _Window(now)
+        return window
+
+    def _refusal(self, key: str, window: _Window | None) -> tuple[str, float] | None:
+        """Why a 429 turns this request away and the wait it states, or None to admit it.
+
+        A refusal by the window is counted in ``window_rejected`` here.
+        """
+        if window is not None and self.window_requests is not None and window.admitted >= self.window_requests:
+            self.window_rejected += 1
+            wait = math.ceil((window.opened + self.window_seconds - time.monotonic()) * 1000) / 1000
+            return f"Request limit reached: {self.window_requests} per {self.window_seconds:g}s", max(0.001, wait)
+        if self.cap is not None and self.active >= self.cap:
+            return "Concurrency limit exceeded", self.retry_after
+        if self.key_limit is not None and self.keys[key].in_flight >= self.key_limit:
+            return "Concurrency limit exceeded for this key", self.retry_after
+        return None
+
+    def _headers(self, dialect: _Dialect, window: _Window | None, knobs: _Knobs) -> dict[str, str]:
+        """An answer's extra headers: its window announced (when there is one), then ``x-fake-ratelimit-headers``."""
+        if window is None or self.window_requests is None:
+            return dict(knobs.ratelimit_headers)
+        left = max(0.0, window.opened + self.window_seconds - time.monotonic())
+        state = _WindowState(limit=self.window_requests, admitted=window.admitted, left=left)
+        return dialect.window_headers(state, unified=self.unified) | knobs.ratelimit_headers
+
+    def _record(self, request: web.Request, body: dict[str, Any], key: str) -> None:
         self.requests += 1
+        self.keys.setdefault(key, _KeyStats()).requests += 1
         self.last_headers = {name.lower(): value for name, value in request.headers.items()}
         tag = request.headers.get("x-fake-tag")
         if tag is None:
@@ -600,18 +826,24 @@ class FakeUpstream:
         if len(self.arrivals) > ARRIVALS_KEPT:
             del self.arrivals[: len(self.arrivals) - ARRIVALS_KEPT]
 
-    def _admit(self) -> None:
+    def _admit(self, key: str, window: _Window | None) -> None:
         self.active += 1
         self.max_concurrency = max(self.max_concurrency, self.active)
+        account = self.keys[key]
+        account.in_flight += 1
+        account.max_concurrent = max(account.max_concurrent, account.in_flight)
+        if window is not None:
+            window.admitted += 1
 
-    def _schedule_release(self) -> None:
+    def _schedule_release(self, key: str) -> None:
         if self.lag_ms > 0:
-            asyncio.get_running_loop().call_later(self.lag_ms / 1000, self._release)
+            asyncio.get_running_loop().call_later(self.lag_ms / 1000, self._release, key)
         else:
-            self._release()
+            self._release(key)
 
-    def _release(self) -> None:
+    def _release(self, key: str) -> None:
         self.active -= 1
+        self.keys[key].in_flight -= 1
 
     @staticmethod
     def _reply(dialect: _Dialect, body: dict[str, Any], size: int, knobs: _Knobs) -> _Reply:
@@ -627,43 +859,52 @@ class FakeUpstream:
         )
 
     def _error(
-        self, dialect: _Dialect, status: int, message: str, *, retry_after: bool, code: str | None = None
+        self, dialect: _Dialect, status: int, message: str, *, key: str, retry_after: float | None,
+        headers: Mapping[str, str], code: str | None = None,
     ) -> web.Response:
-        headers: dict[str, str] = {}
+        """An error answer; a 429 is counted (for its key too) and states ``retry_after`` seconds unless None."""
+        waits: dict[str, str] = {}
         if status == 429:
             self.rate_limited += 1
-            if retry_after:
-                headers["retry-after"] = str(max(1, math.ceil(self.retry_after)))
-                headers["retry-after-ms"] = str(round(self.retry_after * 1000))
-        return web.json_response(dialect.error_body(status, message, code), status=status, headers=headers)
+            self.keys[key].rejected += 1
+            if retry_after is not None:
+                waits["retry-after"] = str(max(1, math.ceil(retry_after)))
+                waits["retry-after-ms"] = str(round(retry_after * 1000))
+        response = web.json_response(dialect.error_body(status, message, code), status=status, headers=waits)
+        response.headers.update(headers)
+        return response
 
     async def _answer(
-        self, request: web.Request, dialect: _Dialect, knobs: _Knobs, reply: _Reply
+        self, request: web.Request, dialect: _Dialect, knobs: _Knobs, reply: _Reply, key: str,
+        headers: Mapping[str, str],
     ) -> web.StreamResponse:
         if knobs.stall_ms:
             await asyncio.sleep(knobs.stall_ms / 1000)
         if knobs.status is not None:
             error = self._error(
-                dialect, knobs.status, f"Injected status {knobs.status}",
-                retry_after=knobs.retry_after, code=knobs.error_code,
+                dialect, knobs.status, f"Injected status {knobs.status}", key=key,
+                retry_after=self.retry_after if knobs.retry_after else None, headers=headers, code=knobs.error_code,
             )
             return await self._send(request, error)
         if reply.stream:
-            return await self._stream(request, dialect, knobs, reply)
+            return await self._stream(request, dialect, knobs, reply, headers)
         if knobs.reset_after is not None:
             _abort(request)
             return web.Response()
         await asyncio.sleep(knobs.delay_ms / 1000)
-        return await self._send(request, self._full(dialect, reply, knobs.gzip))
+        return await self._send(request, self._full(dialect, reply, knobs.gzip, headers))
 
     @staticmethod
-    def _full(dialect: _Dialect, reply: _Reply, compress: bool) -> web.Response:
+    def _full(dialect: _Dialect, reply: _Reply, compress: bool, headers: Mapping[str, str]) -> web.Response:
         data = json.dumps(dialect.full_body(reply)).encode()
-        if not compress:
-            return web.Response(body=data, content_type="application/json")
-        return web.Response(
-            body=gzip.compress(data), content_type="application/json", headers={"Content-Encoding": "gzip"}
-        )
+        if compress:
+            response = web.Response(
+                body=gzip.compress(data), content_type="application/json", headers={"Content-Encoding": "gzip"}
+            )
+        else:
+            response = web.Response(body=data, content_type="application/json")
+        response.headers.update(headers)
+        return response
 
     async def _send(self, request: web.Request, response: web.Response) -> web.Response:
         """Send the whole answer before the handler returns, so its slot is held until the last byte."""
@@ -676,11 +917,13 @@ class FakeUpstream:
         return response
 
     async def _stream(
-        self, request: web.Request, dialect: _Dialect, knobs: _Knobs, reply: _Reply
+        self, request: web.Request, dialect: _Dialect, knobs: _Knobs, reply: _Reply, headers: Mapping[str, str]
     ) -> web.StreamResponse:
         encoder = _StreamEncoder.named(knobs.encoding)
-        headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **encoder.headers}
-        response = web.StreamResponse(headers=headers)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **encoder.headers}
+        )
+        response.headers.update(headers)
 
         async def write(event: bytes) -> None:
             await response.write(encoder.encode(event))
@@ -779,16 +1022,25 @@ def _bounded(kind: _Kind, low: float, high: float, what: str) -> Callable[[str],
 _port = _bounded(int, 0, 65535, "a port number 0-65535")
 _positive_int = _bounded(int, 1, math.inf, "a positive integer")
 _non_negative = _bounded(float, 0, math.inf, "a number >= 0")
+_window_length = _bounded(float, math.ulp(0.0), MAX_WINDOW_SECONDS, f"a number > 0 and <= {MAX_WINDOW_SECONDS:g}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``fake-upstream`` flags (dests: port, cap, chunks, delay_ms, lag_ms)."""
+    """Add the ``fake-upstream`` flags.
+
+    Dests: port, cap, chunks, delay_ms, lag_ms, key_limit, window_requests, window_seconds, unified.
+    """
     add = parser.add_argument
     add("--port", type=_port, default=DEFAULT_PORT, help="port on 127.0.0.1 (default 9100)")
     add("--cap", type=_positive_int, default=None, help="hard concurrency cap (default: none)")
     add("--chunks", type=_positive_int, default=5, help="stream chunks per answer (default 5)")
     add("--delay-ms", type=_non_negative, default=20.0, help="ms between chunks (default 20)")
     add("--lag-ms", type=_non_negative, default=0.0, help="ms a finished request stays counted (default 0)")
+    add("--key-limit", type=_positive_int, default=None, help="concurrency cap per API key (default: none)")
+    add("--window-requests", type=_positive_int, default=None,
+        help="requests admitted per API key per window, announced in rate-limit headers (default: no window)")
+    add("--window-seconds", type=_window_length, default=60.0, help="length of a key's request window (default 60)")
+    add("--unified", action="store_true", help="Anthropic answers also carry the unified rate-limit headers")
 
 
 async def _serve_until_signalled(fake: FakeUpstream, port: int) -> None:
@@ -799,11 +1051,14 @@ async def _serve_until_signalled(fake: FakeUpstream, port: int) -> None:
     for sig in signals:
         loop.add_signal_handler(sig, stop.set)
     cap = "none" if fake.cap is None else fake.cap
-    print(
-        f"fake-upstream listening on http://127.0.0.1:{bound} "
-        f"(cap={cap}, chunks={fake.chunks}, delay_ms={fake.delay_ms:g}, lag_ms={fake.lag_ms:g})",
-        flush=True,
-    )
+    details = [f"cap={cap}", f"chunks={fake.chunks}", f"delay_ms={fake.delay_ms:g}", f"lag_ms={fake.lag_ms:g}"]
+    if fake.key_limit is not None:
+        details.append(f"key_limit={fake.key_limit}")
+    if fake.window_requests is not None:
+        details.append(f"window={fake.window_requests}/{fake.window_seconds:g}s")
+    if fake.unified:
+        details.append("unified")
+    print(f"fake-upstream listening on http://127.0.0.1:{bound} ({', '.join(details)})", flush=True)
     try:
         await stop.wait()
     finally:
@@ -818,7 +1073,15 @@ def run(
     chunks: int = 5,
     delay_ms: float = 20.0,
     lag_ms: float = 0.0,
+    *,
+    key_limit: int | None = None,
+    window_requests: int | None = None,
+    window_seconds: float = 60.0,
+    unified: bool = False,
 ) -> None:
     """Serve a fake upstream on 127.0.0.1 until SIGINT or SIGTERM (the ``fake-upstream`` command)."""
-    fake = FakeUpstream(cap=cap, chunks=chunks, delay_ms=delay_ms, lag_ms=lag_ms)
+    fake = FakeUpstream(
+        cap=cap, chunks=chunks, delay_ms=delay_ms, lag_ms=lag_ms, key_limit=key_limit,
+        window_requests=window_requests, window_seconds=window_seconds, unified=unified,
+    )
     asyncio.run(_serve_until_signalled(fake, port))

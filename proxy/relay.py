@@ -19,6 +19,7 @@ from aiohttp import web
 from yarl import URL
 
 from .body import read_body
+from .budgets import read_budget
 from .errors import (
     BadRequest,
     ProxyError,
@@ -44,7 +45,8 @@ from .keys import (
     UNTYPED_BODY,
     error_response,
 )
-from .limiter import Priority, SlotLease
+from .limiter import Budget, Priority, SlotLease
+from .model_name import request_model
 from .runtime import ProxyState
 from .signals import Backoff, classify_response, readable_body, stream_scanner
 
@@ -68,6 +70,7 @@ class _NoSlot:
     reclaimed = False
     on_reclaim = None
     seq = None
+    key = None
 
     def __init__(self) -> None:
         self.granted_at = time.time()
@@ -112,7 +115,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
     if state.client_keys is not None:
         # Before routing, so that a client without a key learns nothing, not even which providers exist.
         known = state.provider(request.match_info["provider"])
-        injected = known is not None and state.upstreams.auth(known) is not None
+        injected = known is not None and state.upstreams.injects_auth(known)
         consumed = state.client_keys.check(request.headers, provider_key_injected=injected)
     provider, settings, url = _route(request, state)
     request[PROVIDER] = provider
@@ -156,6 +159,8 @@ class Exchange:
         self.priority = priority
         self.needs_slot = request.method in settings.slot_methods
         client_wait = client_wait_limit(request.headers) if self.needs_slot else None
+        self.model = request_model(request.match_info.get("rest", ""), body) \
+            if self.needs_slot and settings.models else None
         self.client_deadline = None if client_wait is None else time.monotonic() + client_wait
         self.response: web.StreamResponse | None = None
         self.queue_ms = 0
@@ -173,7 +178,7 @@ class Exchange:
                     client_wait = None if self.client_deadline is None else max(
                         0.0, self.client_deadline - time.monotonic())
                     lease = await self.state.backend.acquire(self.provider, self.priority, seq=seq,
-                                                             client_wait=client_wait)
+                                                             client_wait=client_wait, model=self.model)
                     self.state.observe_grant(self.provider, lease)
                 else:
                     lease = _NoSlot()
@@ -226,7 +231,7 @@ class Exchange:
         # Built after the grant: a queued request holds nothing it does not need yet.
         strip = self.state.strip_headers | self.consumed if self.consumed else self.state.strip_headers
         headers = forward_request_headers(self.request.headers, strip=strip,
-                                          auth=self.state.upstreams.auth(self.settings))
+                                          auth=self.state.upstreams.auth(self.settings, lease.key))
         data = None if (not self.body and self.request.method in _NO_BODY_METHODS) else self.body
         # idle_timeout bounds the wait for the final response headers too: aiohttp's
         # read timeout restarts on every 1xx answer, so it alone does not.
@@ -243,20 +248,25 @@ class Exchange:
             if not lease.reclaimed:  # a reclaim moved the deadline to now: keep it
                 deadline.reschedule(None)
             lease.headers_received()
+            budget = self._note_budget(upstream, lease) if self.settings.budgets and self.needs_slot else None
             if upstream.status in self.settings.backoff_statuses:
-                return await self._relay_backoff(upstream, lease, retry_allowed)
+                window_spent = budget is not None and budget.held_until is not None
+                return await self._relay_backoff(upstream, lease, retry_allowed, window_spent)
             return await self._stream(upstream, lease)
 
     async def _relay_backoff(
-        self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, retry_allowed: bool
+        self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, retry_allowed: bool,
+        window_spent: bool = False,
     ) -> web.StreamResponse:
+        """A backoff status. One whose own rate-limit headers say the key's request window is spent is a
+        budget matter, not too many at once: the key is held until the reset and its limit is left alone."""
         body, complete = await _read_capped(upstream.content, _MAX_ERROR_BODY)
         readable = readable_body(body, upstream.headers.get("Content-Encoding"))
         backoff = classify_response(
             upstream.status, upstream.headers, readable, self.settings.backoff_statuses, time.time()
         )
         if backoff is not None:
-            self._report(backoff, lease)
+            self._report(backoff, lease, reduce=not window_spent)
             if retry_allowed:
                 log.info("provider=%s retrying after a %s (the client has seen nothing yet)", self.provider, backoff.cause)
                 raise _Retry
@@ -264,10 +274,17 @@ class Exchange:
             return await self._stream(upstream, lease, prefix=body)
         return await self._send_whole(upstream, body)
 
-    def _report(self, backoff: Backoff, lease: SlotLease | _NoSlot) -> None:
+    def _report(self, backoff: Backoff, lease: SlotLease | _NoSlot, *, reduce: bool = True) -> None:
         self.state.metrics.backoffs.labels(self.provider, backoff.cause).inc()
-        self.state.backend.report_backoff(self.provider, backoff.cause, backoff.wait, lease.granted_at,
-                                          reduce=backoff.status in self.settings.reduce_statuses)
+        self.state.backend.report_backoff(
+            self.provider, backoff.cause, backoff.wait, lease.granted_at,
+            reduce=reduce and backoff.status in self.settings.reduce_statuses, key=lease.key)
+
+    def _note_budget(self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot) -> Budget | None:
+        budget = read_budget(upstream.headers, time.time())
+        if budget is not None:
+            self.state.backend.report_budget(self.provider, budget, lease.key)
+        return budget
 
     async def _stream(
         self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, prefix: bytes = b""

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from .access import ClientKeys
@@ -29,7 +30,7 @@ from .config import Config, ProviderSettings
 from .connections import ConnectionGuard, ConnectionSettings
 from .guard import BrowserGuard
 from .headers import PriorityHeaders
-from .limiter import LimiterSettings, SlotLease
+from .limiter import KeySettings, LimiterSettings, ModelCap, SlotLease
 from .state import StarOverrides, StateStore, StateWriter
 from .upstreams import Upstreams
 from .usage import UsagePollers
@@ -39,7 +40,11 @@ __all__ = ["ProxyState", "limiter_settings", "make_backend"]
 log = logging.getLogger("slotproxy")
 
 
-def limiter_settings(settings: ProviderSettings) -> LimiterSettings:
+def limiter_settings(settings: ProviderSettings, environ: Mapping[str, str] | None = None, *,
+                     max_share: float | None = None) -> LimiterSettings:
+    """The limiter's view of one provider; a pool key whose variable is unset or empty in ``environ``
+    (the process environment by default) is not available."""
+    environ = os.environ if environ is None else environ
     return LimiterSettings(
         limit=settings.limit,
         release_cooldown=settings.release_cooldown,
@@ -49,6 +54,11 @@ def limiter_settings(settings: ProviderSettings) -> LimiterSettings:
         queue_timeout=settings.queue_timeout,
         max_queue=settings.max_queue,
         recovery_after=settings.recovery.after if settings.recovery is not None else None,
+        keys=tuple(KeySettings(key.name, key.limit, available=bool(environ.get(key.api_key_env)))
+                   for key in settings.keys),
+        models=tuple(ModelCap(pattern, cap.limit) for pattern, cap in settings.models.items()),
+        max_share=max_share,
+        budgets=settings.budgets,
     )
 
 
@@ -103,7 +113,8 @@ class ProxyState:
             max_connections=server.max_connections))
         self.stars.yaml_changed(self.config.workspaces.starred, config.workspaces.starred)
         self.backend.configure(
-            {name: limiter_settings(settings) for name, settings in providers.items()},
+            {name: limiter_settings(settings, max_share=config.workspaces.max_share)
+             for name, settings in providers.items()},
             self.stars.effective(config.workspaces.starred),
         )
         self._providers = providers

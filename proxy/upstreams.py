@@ -22,12 +22,28 @@ class Upstreams:
         self._sessions: dict[bool, aiohttp.ClientSession] = {}
         self._timeouts: dict[tuple[float, float], aiohttp.ClientTimeout] = {}
         self._auth: dict[str, tuple[str, str] | None] = {}
+        self._pool_auth: dict[str, dict[str, tuple[str, str]]] = {}
 
     def configure(self, providers: Mapping[str, ProviderSettings], environ: Mapping[str, str] = os.environ) -> None:
-        self._auth = {name: _auth_header(settings, environ) for name, settings in providers.items()}
+        self._auth = {name: _auth_header(settings.auth, environ.get(settings.api_key_env or "", ""))
+                      for name, settings in providers.items()}
+        self._pool_auth = {
+            name: {key.name: header for key in settings.keys
+                   if (header := _auth_header(settings.auth, environ.get(key.api_key_env, ""))) is not None}
+            for name, settings in providers.items()
+        }
 
-    def auth(self, settings: ProviderSettings) -> tuple[str, str] | None:
+    def auth(self, settings: ProviderSettings, key: str | None = None) -> tuple[str, str] | None:
+        """The auth header to send: the pool key the slot was taken on, else the provider's one key
+        (a request that takes no slot, such as listing models, goes with the pool's first key)."""
+        pool = self._pool_auth.get(settings.name)
+        if pool:
+            return pool.get(key) if key is not None else next(iter(pool.values()))
         return self._auth.get(settings.name)
+
+    def injects_auth(self, settings: ProviderSettings) -> bool:
+        """Whether requests to this provider carry a key of the proxy's (so the client's own is replaced)."""
+        return self._auth.get(settings.name) is not None or bool(self._pool_auth.get(settings.name))
 
     def session_for(self, settings: ProviderSettings) -> aiohttp.ClientSession:
         session = self._sessions.get(settings.tls_verify)
@@ -58,12 +74,9 @@ class Upstreams:
         self._sessions.clear()
 
 
-def _auth_header(settings: ProviderSettings, environ: Mapping[str, str]) -> tuple[str, str] | None:
-    if not settings.api_key_env:
-        return None
-    key = environ.get(settings.api_key_env, "")
+def _auth_header(auth: str, key: str) -> tuple[str, str] | None:
     if not key:
         return None
-    if settings.auth == "x-api-key":
+    if auth == "x-api-key":
         return ("x-api-key", key)
     return ("Authorization", f"Bearer {key}")

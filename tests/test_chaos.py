@@ -484,15 +484,15 @@ class Chaos:
         fake = target.upstream.fake
         admit, schedule_release, error = fake._admit, fake._schedule_release, fake._error
 
-        def counted_admit() -> None:
+        def counted_admit(*args: Any) -> None:
             target.real_active += 1
             target.upstream_admissions += 1
-            admit()
+            admit(*args)
             self.check_concurrency(target, "upstream admission")
 
-        def counted_release() -> None:
+        def counted_release(*args: Any) -> None:
             target.real_active -= 1
-            schedule_release()
+            schedule_release(*args)
 
         def counted_error(dialect: Any, status: int, message: str, **kwargs: Any) -> Any:
             if message.startswith("Concurrency limit exceeded"):

@@ -158,6 +158,79 @@ def test_help_lists_the_spec_flags(command: list[str]) -> None:
     result = run_cli(*command)
     assert result.returncode == 0
     flags = {"serve": ["--config", "--host", "--port"], "fake-upstream": ["--port", "--cap", "--chunks",
-             "--delay-ms", "--lag-ms"], "check": ["--config"]}[command[0]]
+             "--delay-ms", "--lag-ms", "--key-limit", "--window-requests", "--window-seconds", "--unified"], "check": ["--config"]}[command[0]]
     for flag in flags:
         assert flag in result.stdout
+
+
+def test_status_table_lists_pool_keys_and_model_caps() -> None:
+    from proxy.cli import format_status
+
+    status = {"providers": [{
+        "provider": "anthropic", "limit": 8, "configured_limit": 8, "in_flight": 3, "queued": 1,
+        "paused_until": None, "cooldown_ms": 0, "notice": None,
+        "keys": [{"name": "team-a", "available": True, "limit": 3, "configured_limit": 4, "in_flight": 2,
+                  "paused_until": 1800000000000, "notice": "Concurrency limit auto-reduced to 3 after a 429"},
+                 {"name": "team-b", "available": False, "limit": 4, "configured_limit": 4, "in_flight": 0,
+                  "paused_until": None, "notice": None}],
+        "models": [{"pattern": "claude-opus-*", "limit": 2, "configured_limit": 2, "in_flight": 1}],
+    }]}
+    lines = format_status(status).splitlines()
+    assert lines[1].split()[:5] == ["anthropic", "8", "8", "3", "1"]
+    assert lines[2].split() == ["key", "team-a", "3", "4", "2", "-", "1800000000000", "-"]
+    assert lines[3].split()[:3] == ["key", "team-b", "(not"]
+    assert lines[4].split() == ["model", "claude-opus-*", "2", "2", "1", "-", "-", "-"]
+    assert lines[5] == "! anthropic key team-a: Concurrency limit auto-reduced to 3 after a 429"
+
+
+def test_check_warns_about_a_pool_key_whose_variable_is_unset(tmp_path: Path) -> None:
+    config = tmp_path / "pool.yaml"
+    config.write_text(textwrap.dedent("""\
+        providers:
+          anthropic:
+            upstream: https://api.anthropic.com
+            auth: x-api-key
+            keys:
+              - {name: team-a, api_key_env: SP_CLI_POOL_KEY_UNSET, limit: 4}
+        """))
+    result = run_cli("check", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines() == [(
+        "warning: providers.anthropic.keys[0].api_key_env names $SP_CLI_POOL_KEY_UNSET, which is unset or empty: "
+        "key 'team-a' is left out of the pool until it is set (with no key left, requests carry the client's own "
+        "credentials)")]
+    assert "name: team-a" in result.stdout
+
+
+_WITHOUT_REDIS = ("import sys; sys.modules['redis'] = None; sys.modules['redis.asyncio'] = None; "
+                  "from proxy.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize("command", ["check", "serve"])
+def test_the_redis_backend_without_its_client_is_one_line_and_exit_2(tmp_path: Path, command: str) -> None:
+    config = tmp_path / "redis.yaml"
+    config.write_text("backend: {kind: redis}\nproviders: {openai: {upstream: 'https://api.openai.com/v1'}}\n")
+    result = subprocess.run([sys.executable, "-c", _WITHOUT_REDIS, command, "--config", str(config)], cwd=REPO,
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [(
+        "slotproxy: backend.kind is redis but the redis client is not installed in this Python: "
+        "pip install 'redis[hiredis]>=5' (or reinstall slotproxy with its dependencies)")]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_serve_names_the_dashboard_url() -> None:
+    from proxy.server import dashboard_url
+
+    assert dashboard_url("127.0.0.1", 8787) == "http://127.0.0.1:8787/_slotproxy/"
+    assert dashboard_url("0.0.0.0", 80) == "http://127.0.0.1:80/_slotproxy/"
+    assert dashboard_url("::", 8787) == "http://[::1]:8787/_slotproxy/"
+    assert dashboard_url("fd00::5", 1) == "http://[fd00::5]:1/_slotproxy/"
+
+
+def test_version_prints_the_package_version() -> None:
+    from proxy import __version__
+
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"slotproxy {__version__}"

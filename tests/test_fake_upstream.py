@@ -7,12 +7,14 @@ import asyncio
 import dataclasses
 import gzip
 import json
+import re
 import signal
 import sys
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,12 @@ RESPONSES_EVENTS = [
     "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed",
 ]
 REPO = Path(__file__).resolve().parent.parent
+OPENAI_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(\d+(?:\.\d{1,3})?)s")
+OPENAI_WINDOW = ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
+                 "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"]
+ANTHROPIC_WINDOW = [f"anthropic-ratelimit-{kind}-{what}" for kind in ("requests", "tokens")
+                    for what in ("limit", "remaining", "reset")]
+UNIFIED = ["anthropic-ratelimit-unified-status", "anthropic-ratelimit-unified-reset"]
 
 
 @dataclass
@@ -273,11 +281,11 @@ async def test_chunks_are_flushed_one_by_one(up: Upstream) -> None:
 # --- the cap ---------------------------------------------------------------------------------
 
 
-async def hold_slots(up: Upstream, count: int) -> list[asyncio.Task[Any]]:
+async def hold_slots(up: Upstream, count: int, **headers: str) -> list[asyncio.Task[Any]]:
     """Start ``count`` requests that stall inside their slot; returns once all are admitted."""
 
     async def one() -> None:
-        async with up.post(CHAT, CHAT_BODY, x_fake_stall_ms="300") as resp:
+        async with up.post(CHAT, CHAT_BODY, x_fake_stall_ms="300", **headers) as resp:
             await resp.read()
 
     tasks = [asyncio.create_task(one()) for _ in range(count)]
@@ -625,12 +633,206 @@ async def test_per_request_chunks_and_delay(up: Upstream) -> None:
 
 @pytest.mark.parametrize("header,value", [("x_fake_chunks", "0"), ("x_fake_delay_ms", "soon"),
                                           ("x_fake_status", "abc"), ("x_fake_encoding", "lzma"),
-                                          ("x_fake_stream_error_form", "sometimes")])
+                                          ("x_fake_stream_error_form", "sometimes"),
+                                          ("x_fake_ratelimit_headers", "{not json"),
+                                          ("x_fake_ratelimit_headers", '["x-a", "1"]'),
+                                          ("x_fake_ratelimit_headers", '{"x-a": 1}'),
+                                          ("x_fake_ratelimit_headers", '{"x a": "1"}'),
+                                          ("x_fake_ratelimit_headers", '{"x-a": "1\\r\\nx-b: 2"}')])
 async def test_bad_knob_is_a_400(up: Upstream, header: str, value: str) -> None:
     async with up.post(CHAT, CHAT_BODY, **{header: value}) as resp:
         assert resp.status == 400
         assert header.replace("_", "-") in (await resp.json())["error"]["message"]
     assert up.fake.active == 0
+
+
+# --- keys, per-key caps, the request window, rate-limit headers -------------------------------
+
+
+def openai_seconds(duration: str) -> float:
+    """An ``x-ratelimit-reset-*`` duration (``1.5s``, ``6m0s``, ``1h2m3s``) in seconds."""
+    match = OPENAI_DURATION.fullmatch(duration)
+    assert match is not None, duration
+    hours, minutes, seconds = match.groups()
+    return int(hours or 0) * 3600 + int(minutes or 0) * 60 + float(seconds)
+
+
+def rfc3339_epoch(stamp: str) -> float:
+    assert stamp.endswith("Z"), stamp
+    when = datetime.fromisoformat(stamp)
+    assert when.tzinfo == UTC
+    return when.timestamp()
+
+
+async def answer(up: Upstream, path: str, body: dict[str, Any], **headers: str) -> aiohttp.ClientResponse:
+    """Post and read the whole answer (streamed or not); the response keeps its status and headers."""
+    async with up.post(path, body, **headers) as resp:
+        await resp.read()
+    return resp
+
+
+async def test_the_key_is_the_bearer_token_else_x_api_key(up: Upstream) -> None:
+    for headers in ({"Authorization": "Bearer sk-a"}, {"Authorization": "bearer sk-a", "x_api_key": "ignored"},
+                    {"x_api_key": "sk-b"}, {}, {"Authorization": "Basic dXNlcg=="}):
+        resp = await answer(up, CHAT, CHAT_BODY, **headers)
+        assert resp.status == 200
+        assert not [name for name in resp.headers if name.lower().startswith("x-ratelimit-")]
+    await up.wait_sessions(0)
+    one = {"requests": 1, "in_flight": 0, "max_concurrent": 1, "rejected": 0}
+    assert up.fake.stats()["keys"] == {
+        "sk-a": one | {"requests": 2}, "sk-b": one, "": one, "Basic dXNlcg==": one,
+    }
+
+
+@options(key_limit=2, chunks=3, delay_ms=5)
+async def test_key_limit_caps_each_key_and_429s_the_extras(up: Upstream) -> None:
+    auth = [{"Authorization": "Bearer sk-a"}, {"x_api_key": "sk-b"}] * 3
+    slow = {"x_fake_chunks": "4", "x_fake_delay_ms": "100"}
+    answers = await asyncio.gather(*(answer(up, CHAT, CHAT_BODY | {"stream": True}, **slow, **headers)
+                                     for headers in auth))
+    assert sorted(resp.status for resp in answers) == [200] * 4 + [429] * 2
+    for resp in answers:
+        if resp.status == 429:
+            assert (resp.headers["retry-after"], resp.headers["retry-after-ms"]) == ("1", "1000")
+    await up.wait_sessions(0)
+    stats = up.fake.stats()
+    each = {"requests": 3, "in_flight": 0, "max_concurrent": 2, "rejected": 1}
+    assert stats["keys"] == {"sk-a": each, "sk-b": each}
+    assert (stats["max_concurrency"], stats["rate_limited"], stats["completed"]) == (4, 2, 4)
+    assert stats["window_rejected"] == 0
+
+
+@options(cap=1, key_limit=2, delay_ms=5)
+async def test_key_limit_leaves_the_global_cap_in_force(up: Upstream) -> None:
+    tasks = await hold_slots(up, 1)
+    async with up.post(CHAT, CHAT_BODY, x_api_key="sk-b") as resp:
+        assert resp.status == 429
+        assert (await resp.json())["error"]["message"] == "Concurrency limit exceeded"
+    await asyncio.gather(*tasks)
+    assert up.fake.keys["sk-b"].rejected == 1 and up.fake.keys[""].rejected == 0
+
+
+@options(key_limit=1, delay_ms=5)
+async def test_key_limit_429_has_the_cap_error_shape(up: Upstream) -> None:
+    tasks = await hold_slots(up, 1, Authorization="Bearer x")
+    async with up.post(MESSAGES, MESSAGES_BODY, x_api_key="x") as resp:
+        assert resp.status == 429 and resp.headers["retry-after"] == "1"
+        body = await resp.json()
+        assert body == {"type": "error", "error": {"type": "rate_limit_error",
+                                                   "message": "Concurrency limit exceeded for this key"}}
+    async with openai_client(up) as oai, anthropic_client(up) as ant:  # both send their api_key as a Bearer token
+        with pytest.raises(openai.RateLimitError):
+            await oai.chat.completions.create(**CHAT_BODY)
+        with pytest.raises(anthropic.RateLimitError):
+            await ant.messages.create(**MESSAGES_BODY)
+    assert (await answer(up, CHAT, CHAT_BODY, x_api_key="other")).status == 200
+    await asyncio.gather(*tasks)
+    assert (up.fake.keys["x"].rejected, up.fake.keys["other"].rejected, up.fake.rate_limited) == (3, 0, 3)
+
+
+@options(window_requests=2, window_seconds=1, chunks=2, delay_ms=1)
+async def test_window_admits_its_requests_then_429s_until_it_resets(up: Upstream) -> None:
+    first = await answer(up, CHAT, CHAT_BODY)
+    second = await answer(up, CHAT, CHAT_BODY | {"stream": True})
+    third = await answer(up, CHAT, CHAT_BODY)
+    assert [r.status for r in (first, second, third)] == [200, 200, 429]
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in (first, second, third)] == ["1", "0", "0"]
+    assert [r.headers["x-ratelimit-remaining-tokens"] for r in (first, second, third)] == \
+        ["999900", "999800", "999800"]
+    for resp in (first, second, third):
+        assert (resp.headers["x-ratelimit-limit-requests"], resp.headers["x-ratelimit-limit-tokens"]) == \
+            ("2", "1000000")
+        reset = openai_seconds(resp.headers["x-ratelimit-reset-requests"])
+        assert 0 < reset <= 1
+        assert resp.headers["x-ratelimit-reset-tokens"] == resp.headers["x-ratelimit-reset-requests"]
+        assert not {*ANTHROPIC_WINDOW, *UNIFIED} & {name.lower() for name in resp.headers}
+    wait_ms = int(third.headers["retry-after-ms"])
+    assert third.headers["retry-after"] == "1" and 0 < wait_ms <= 1000
+    assert abs(wait_ms / 1000 - openai_seconds(third.headers["x-ratelimit-reset-requests"])) < 0.05
+    other = await answer(up, RESPONSES, RESPONSES_BODY, Authorization="Bearer other")
+    assert (other.status, other.headers["x-ratelimit-remaining-requests"]) == (200, "1")
+    stats = up.fake.stats()
+    assert (stats["rate_limited"], stats["window_rejected"], stats["keys"][""]["rejected"]) == (1, 1, 1)
+    await asyncio.sleep(wait_ms / 1000 + 0.02)
+    again = await answer(up, CHAT, CHAT_BODY)
+    assert (again.status, again.headers["x-ratelimit-remaining-requests"]) == (200, "1")
+    assert openai_seconds(again.headers["x-ratelimit-reset-requests"]) > 0.9
+
+
+@options(window_requests=2, window_seconds=1, chunks=2, delay_ms=1)
+async def test_window_headers_on_anthropic_are_rfc3339_instants(up: Upstream) -> None:
+    answers = [await answer(up, MESSAGES, MESSAGES_BODY | {"stream": stream}) for stream in (False, True, False)]
+    assert [r.status for r in answers] == [200, 200, 429]
+    assert [r.headers["anthropic-ratelimit-requests-remaining"] for r in answers] == ["1", "0", "0"]
+    assert [r.headers["anthropic-ratelimit-tokens-remaining"] for r in answers] == ["999900", "999800", "999800"]
+    now = time.time()
+    for resp in answers:
+        assert (resp.headers["anthropic-ratelimit-requests-limit"],
+                resp.headers["anthropic-ratelimit-tokens-limit"]) == ("2", "1000000")
+        reset = rfc3339_epoch(resp.headers["anthropic-ratelimit-requests-reset"])
+        assert now - 0.1 < reset <= now + 1
+        assert resp.headers["anthropic-ratelimit-tokens-reset"] == resp.headers["anthropic-ratelimit-requests-reset"]
+        assert not {*OPENAI_WINDOW, *UNIFIED} & {name.lower() for name in resp.headers}
+    assert answers[2].headers["retry-after"] == "1"
+    assert up.fake.window_rejected == 1
+
+
+@options(window_requests=2, window_seconds=1, unified=True)
+async def test_unified_status_goes_from_allowed_to_rejected(up: Upstream) -> None:
+    answers = [await answer(up, MESSAGES, MESSAGES_BODY, x_api_key="x") for _ in range(3)]
+    assert [r.status for r in answers] == [200, 200, 429]
+    assert [r.headers["anthropic-ratelimit-unified-status"] for r in answers] == ["allowed", "rejected", "rejected"]
+    for resp in answers:
+        reset = int(resp.headers["anthropic-ratelimit-unified-reset"])
+        assert reset - 1 < rfc3339_epoch(resp.headers["anthropic-ratelimit-requests-reset"]) < reset + 0.001
+        assert time.time() < reset <= time.time() + 2
+    async with anthropic_client(up) as client:
+        with pytest.raises(anthropic.RateLimitError) as raised:
+            await client.messages.create(**MESSAGES_BODY)
+    assert raised.value.response.headers["anthropic-ratelimit-unified-status"] == "rejected"
+    chat = await answer(up, CHAT, CHAT_BODY)
+    assert not set(UNIFIED) & {name.lower() for name in chat.headers}
+
+
+@options(window_requests=1, window_seconds=60)
+async def test_reset_clears_the_keys_and_closes_the_windows(up: Upstream) -> None:
+    assert (await answer(up, CHAT, CHAT_BODY)).status == 200
+    assert (await answer(up, CHAT, CHAT_BODY)).status == 429
+    async with up.session.get(up.url + "/stats") as resp:
+        stats = await resp.json()
+    assert stats["keys"] == {"": {"requests": 2, "in_flight": 0, "max_concurrent": 1, "rejected": 1}}
+    assert (stats["window_requests"], stats["window_seconds"], stats["window_rejected"]) == (1, 60, 1)
+    async with up.session.post(up.url + "/stats/reset") as resp:
+        after = await resp.json()
+    assert (after["keys"], after["window_rejected"]) == ({}, 0)
+    assert (await answer(up, CHAT, CHAT_BODY)).status == 200
+
+
+@options(window_requests=10, chunks=2, delay_ms=1)
+async def test_ratelimit_headers_knob_adds_headers_verbatim(up: Upstream) -> None:
+    asked = {"X-Custom-Limit": "7", "x-ratelimit-remaining-requests": "0", "retry-after": "9"}
+    knob = {"x_fake_ratelimit_headers": json.dumps(asked)}
+    for path, body in STREAMED:
+        for stream in (False, True):
+            resp = await answer(up, path, body | {"stream": stream}, **knob)
+            assert resp.status == 200 and resp.headers["X-Custom-Limit"] == "7"
+            assert resp.headers.getall("retry-after") == ["9"]
+    resp = await answer(up, CHAT, CHAT_BODY, x_fake_status="429", **knob)
+    assert resp.status == 429
+    assert resp.headers.getall("retry-after") == ["9"] and resp.headers["retry-after-ms"] == "1000"
+    assert resp.headers.getall("x-ratelimit-remaining-requests") == ["0"]
+    assert resp.headers["x-ratelimit-limit-requests"] == "10"
+    resp = await answer(up, CHAT, CHAT_BODY, x_fake_ratelimit_headers="{}")
+    assert resp.status == 200 and resp.headers["x-ratelimit-remaining-requests"] == "2"
+
+
+@pytest.mark.parametrize("seconds,duration", [
+    (0, "0s"), (0.0201, "0.021s"), (0.5, "0.5s"), (1.5, "1.5s"), (59.9996, "1m0s"), (360, "6m0s"),
+    (61.25, "1m1.25s"), (3723, "1h2m3s"), (3600, "1h0m0s"),
+])
+def test_openai_duration_format(seconds: float, duration: str) -> None:
+    assert fake_upstream._openai_duration(seconds) == duration
+    assert openai_seconds(duration) == pytest.approx(seconds, abs=0.001)
 
 
 # --- construction and the command line -------------------------------------------------------
@@ -640,6 +842,10 @@ async def test_bad_knob_is_a_400(up: Upstream, header: str, value: str) -> None:
     ({"cap": 0}, "cap must be a positive integer or None"),
     ({"chunks": 0}, "chunks must be >= 1"),
     ({"lag_ms": -1}, "lag_ms must be >= 0"),
+    ({"key_limit": 0}, "key_limit must be a positive integer or None"),
+    ({"window_requests": 0}, "window_requests must be a positive integer or None"),
+    ({"window_seconds": 0}, "window_seconds must be > 0"),
+    ({"window_seconds": float("nan")}, "window_seconds must be > 0"),
 ])
 def test_invalid_options(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -653,6 +859,19 @@ def test_add_arguments_defaults_and_values() -> None:
     assert (defaults.port, defaults.cap, defaults.chunks, defaults.delay_ms, defaults.lag_ms) == (9100, None, 5, 20, 0)
     given = parser.parse_args(["--port", "0", "--cap", "3", "--chunks", "7", "--delay-ms", "2.5", "--lag-ms", "40"])
     assert (given.port, given.cap, given.chunks, given.delay_ms, given.lag_ms) == (0, 3, 7, 2.5, 40)
+
+
+def test_add_arguments_limits_and_window() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    assert (defaults.key_limit, defaults.window_requests, defaults.window_seconds, defaults.unified) == \
+        (None, None, 60, False)
+    given = parser.parse_args(["--key-limit", "2", "--window-requests", "10", "--window-seconds", "1.5", "--unified"])
+    assert (given.key_limit, given.window_requests, given.window_seconds, given.unified) == (2, 10, 1.5, True)
+    for flag in ("--key-limit", "--window-requests", "--window-seconds"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "0"])
 
 
 def test_add_arguments_rejects_a_zero_cap(capsys: pytest.CaptureFixture[str]) -> None:
@@ -677,6 +896,31 @@ async def test_run_prints_its_address_and_stops_on_a_signal(sig: signal.Signals)
         async with aiohttp.ClientSession() as session, session.get(url + "/stats") as resp:
             assert (await resp.json())["cap"] == 2
         proc.send_signal(sig)
+        _, err = await asyncio.wait_for(proc.communicate(), 10)
+        assert proc.returncode == 0, err.decode()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_run_serves_the_limits_it_is_given() -> None:
+    code = ("from proxy.fake_upstream import run; "
+            "run(0, key_limit=2, window_requests=3, window_seconds=1.5, unified=True)")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 10)).decode()  # type: ignore[union-attr]
+        assert "(cap=none, chunks=5, delay_ms=20, lag_ms=0, key_limit=2, window=3/1.5s, unified)" in line
+        async with aiohttp.ClientSession() as session:
+            async with session.post(line.split()[3] + MESSAGES, json=MESSAGES_BODY) as resp:
+                assert resp.headers["anthropic-ratelimit-requests-remaining"] == "2"
+                assert resp.headers["anthropic-ratelimit-unified-status"] == "allowed"
+            async with session.get(line.split()[3] + "/stats") as resp:
+                stats = await resp.json()
+        assert (stats["key_limit"], stats["window_requests"], stats["window_seconds"]) == (2, 3, 1.5)
+        proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(proc.communicate(), 10)
         assert proc.returncode == 0, err.decode()
     finally:

@@ -113,3 +113,18 @@ def test_the_limiter_core_imports_no_aiohttp_and_no_redis() -> None:
     assert reached - core <= {"proxy", "proxy.errors"}, reached - core
     for name in reached & set(MODULES):
         assert not _third_party(name) & {"aiohttp", "redis", "yarl"}, name
+
+
+def test_no_event_loop_is_run_inside_an_import_fallback() -> None:
+    """An error while serving must not be chained to "No module named 'uvloop'": no ``asyncio.run`` or
+    ``uvloop.run`` call sits inside an ``except`` block anywhere in the package."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for handler in (node for node in ast.walk(tree) if isinstance(node, ast.ExceptHandler)):
+            for call in (node for node in ast.walk(handler) if isinstance(node, ast.Call)):
+                func = call.func
+                if isinstance(func, ast.Attribute) and func.attr == "run" and \
+                        isinstance(func.value, ast.Name) and func.value.id in ("asyncio", "uvloop"):
+                    offenders.append(f"{path.relative_to(PACKAGE.parent)}:{call.lineno}")
+    assert not offenders, offenders

@@ -46,9 +46,12 @@ async def test_the_admin_api_curl_lines_do_what_they_say(start_upstream, start_p
 
     block = _block_after("**Admin API**", "```sh")
     lines = [line.split("#")[0].strip() for line in block.splitlines() if line.strip().startswith("curl")]
-    assert len(lines) == 3
+    assert len(lines) == 5
     upstream = await start_upstream()
-    proxy = await start_proxy(f"state: {{path: null}}\nproviders:\n  openai: {{upstream: '{upstream.url}/v1', limit: 3}}\n")
+    proxy = await start_proxy(
+        f"state: {{path: null}}\nproviders:\n  openai: {{upstream: '{upstream.url}/v1', limit: 3}}\n"
+        f"  anthropic:\n    upstream: '{upstream.url}'\n    keys: [{{name: team-a, api_key_env: SP_README_KEY}}]\n"
+        "    models: {'claude-opus-*': {limit: 1}}\n")
     for line in lines:
         argv = shlex.split(line.replace("localhost:8787", f"127.0.0.1:{proxy.port}"))
         if shutil.which("curl") is None:
@@ -59,6 +62,8 @@ async def test_the_admin_api_curl_lines_do_what_they_say(start_upstream, start_p
         assert process.returncode == 0, (line, out, err)
     status = proxy.status()
     assert (status["limit"], status["cooldown_ms"]) == (6, 1500)
+    anthropic = proxy.status("anthropic")
+    assert (anthropic["keys"][0]["limit"], anthropic["models"][0]["limit"]) == (4, 2)
     assert "release-team" in proxy.state.backend.starred()
 
 

@@ -157,3 +157,29 @@ def test_kill_9_during_a_burst_of_changes_never_tears_the_state_file(tmp_path: P
     assert valid_writes == 50
     assert len(versions_seen) >= 25, "the kills must land during bursts of writes"
     assert not list(tmp_path.glob("state.json.corrupt-*"))
+
+
+async def test_a_pool_keys_reduction_and_a_model_caps_manual_limit_survive_a_restart(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    monkeypatch.setenv("SP_STATE_KEY_A", "a")
+    monkeypatch.setenv("SP_STATE_KEY_B", "b")
+    text = textwrap.dedent(f"""\
+        state: {{path: '{tmp_path / "state.json"}'}}
+        providers:
+          openai:
+            upstream: 'http://127.0.0.1:9/v1'
+            keys: [{{name: a, api_key_env: SP_STATE_KEY_A, limit: 3}}, {{name: b, api_key_env: SP_STATE_KEY_B}}]
+            models: {{'big-*': {{limit: 4}}}}
+        """)
+    first = await restart(text)
+    first.backend.report_backoff("openai", "429", 0.01, sent_at=time.time(), key="a")
+    first.backend.set_model_limit("openai", "big-*", 1)
+    first.state_file.save()
+    await first.close()
+
+    second = await restart(text)
+    status = second.backend.provider_status("openai").to_dict()
+    assert [(k["name"], k["limit"], k["auto_reduced_from"], k["notice"]) for k in status["keys"]] == [
+        ("a", 2, 3, auto_reduce_notice(2, "429")), ("b", None, None, None)]
+    assert status["models"] == [{"pattern": "big-*", "limit": 1, "configured_limit": 4, "in_flight": 0}]
+    await second.close()

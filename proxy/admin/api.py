@@ -162,6 +162,30 @@ async def put_limit(request: web.Request) -> web.Response:
     return await _provider_write(request, _limit_from, apply)
 
 
+async def put_key_limit(request: web.Request) -> web.Response:
+    """A pool key's limit: the same body and rules as the provider's (404 for a key it does not have)."""
+    backend = request.app[STATE].backend
+    key = request.match_info["key"]
+
+    def apply(provider: str, limit: int | None) -> str:
+        backend.set_key_limit(provider, key, limit)
+        return f"key={key} limit set to {'unlimited' if limit is None else limit}"
+
+    return await _provider_write(request, _limit_from, apply)
+
+
+async def put_model_limit(request: web.Request) -> web.Response:
+    """A model cap's limit; the pattern comes URL-encoded (``claude-opus-%2A``)."""
+    backend = request.app[STATE].backend
+    pattern = request.match_info["pattern"]
+
+    def apply(provider: str, limit: int | None) -> str:
+        backend.set_model_limit(provider, pattern, limit)
+        return f"model={pattern} limit set to {'unlimited' if limit is None else limit}"
+
+    return await _provider_write(request, _limit_from, apply)
+
+
 async def put_cooldown(request: web.Request) -> web.Response:
     backend = request.app[STATE].backend
 
@@ -191,6 +215,8 @@ async def star(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_put("/_slotproxy/providers/{id}/limit", put_limit)
+    app.router.add_put("/_slotproxy/providers/{id}/keys/{key}/limit", put_key_limit)
+    app.router.add_put("/_slotproxy/providers/{id}/models/{pattern:.+}/limit", put_model_limit)
     app.router.add_put("/_slotproxy/providers/{id}/cooldown", put_cooldown)
     app.router.add_put("/_slotproxy/workspaces/{id}/star", star)
     app.router.add_delete("/_slotproxy/workspaces/{id}/star", star)

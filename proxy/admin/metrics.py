@@ -30,6 +30,16 @@ class _SnapshotCollector(Collector):
             "limit": GaugeMetricFamily("slotproxy_limit", "Effective concurrency limit (NaN when unlimited)", labels=["provider"]),
             "paused": GaugeMetricFamily("slotproxy_paused", "1 while the provider's queue is paused after a backoff", labels=["provider"]),
         }
+        per_key = {
+            "in_flight": GaugeMetricFamily("slotproxy_key_in_flight", "Slots held on one key of a pool", labels=["provider", "key"]),
+            "limit": GaugeMetricFamily("slotproxy_key_limit", "Effective limit of one key of a pool (NaN when unlimited)", labels=["provider", "key"]),
+            "paused": GaugeMetricFamily("slotproxy_key_paused", "1 while a key is paused after a backoff", labels=["provider", "key"]),
+            "held": GaugeMetricFamily("slotproxy_key_budget_held", "1 while a key is held until its announced budget resets", labels=["provider", "key"]),
+        }
+        per_model = {
+            "in_flight": GaugeMetricFamily("slotproxy_model_in_flight", "Slots held under one model cap", labels=["provider", "model"]),
+            "limit": GaugeMetricFamily("slotproxy_model_limit", "Limit of one model cap (NaN when unlimited)", labels=["provider", "model"]),
+        }
         reductions = CounterMetricFamily("slotproxy_auto_reductions", "Limit reductions after upstream backoffs", labels=["provider"])
         reclaims = CounterMetricFamily("slotproxy_watchdog_reclaims", "Slots reclaimed after slot_timeout", labels=["provider"])
         for status in self._snapshot():
@@ -40,7 +50,20 @@ class _SnapshotCollector(Collector):
             gauges["paused"].add_metric(labels, 1 if status.paused else 0)
             reductions.add_metric(labels, status.counters.get("auto_reductions", 0))
             reclaims.add_metric(labels, status.counters.get("reclaims", 0))
+            for key in status.keys:
+                key_labels = [status.provider, key.name]
+                per_key["in_flight"].add_metric(key_labels, key.in_flight)
+                per_key["limit"].add_metric(key_labels, float("nan") if key.limit is None else key.limit)
+                per_key["paused"].add_metric(key_labels, 1 if key.paused_until is not None else 0)
+                held = key.budget is not None and key.budget.get("held_until") is not None
+                per_key["held"].add_metric(key_labels, 1 if held else 0)
+            for model in status.models:
+                model_labels = [status.provider, model.pattern]
+                per_model["in_flight"].add_metric(model_labels, model.in_flight)
+                per_model["limit"].add_metric(model_labels, float("nan") if model.limit is None else model.limit)
         yield from gauges.values()
+        yield from per_key.values()
+        yield from per_model.values()
         yield reductions
         yield reclaims
         if self._backend is not None:

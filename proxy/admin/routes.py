@@ -1,4 +1,4 @@
-"""Status, health and metrics routes under /_slotproxy/, /healthz, /readyz and /metrics."""
+"""Status, history, health and metrics routes under /_slotproxy/, /healthz, /readyz and /metrics."""
 
 from __future__ import annotations
 
@@ -9,16 +9,25 @@ from aiohttp import web
 
 from ..keys import STATE
 from . import api
+from .history import History
 from .metrics import CONTENT_TYPE
 from .status import status_document
 
-__all__ = ["add_routes"]
+__all__ = ["HISTORY", "add_routes"]
+
+HISTORY: web.AppKey[History] = web.AppKey("slotproxy_history", History)
+"""The sampled last 15 minutes the app's history sampler keeps (``admin.history``)."""
 
 
 async def status(request: web.Request) -> web.Response:
     state = request.app[STATE]
     await state.backend.refresh()
     return web.json_response(status_document(state))
+
+
+async def history(request: web.Request) -> web.Response:
+    """Like status, a read: no admin token."""
+    return web.json_response(request.app[HISTORY].to_dict())
 
 
 _DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -77,6 +86,7 @@ async def _to_dashboard(request: web.Request) -> web.Response:
 
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/_slotproxy/status", status)
+    app.router.add_get("/_slotproxy/history", history)
     app.router.add_get("/_slotproxy/", dashboard)
     app.router.add_get("/_slotproxy", _to_dashboard)
     app.router.add_get("/healthz", healthz)

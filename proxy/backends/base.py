@@ -7,6 +7,7 @@ from typing import Protocol
 
 from ..errors import ProxyError
 from ..limiter import (
+    Budget,
     Clock,
     LimiterSettings,
     Priority,
@@ -31,16 +32,26 @@ class Backend(Protocol):
         """The in-process limiter a usage gate attaches to, or None where the backend cannot host one."""
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
-                      client_wait: float | None = None) -> SlotLease:
-        """Wait for a slot, at most queue_timeout (or ``client_wait``, the client's own deadline, when shorter).
+                      client_wait: float | None = None, model: str | None = None) -> SlotLease:
+        """Wait for a slot at every level that applies (the provider, the cap ``model`` matches, a key of
+        the pool), at most queue_timeout (or ``client_wait``, the client's own deadline, when shorter).
         Raises QueueFull or QueueTimeout; cancelling the caller leaves the queue."""
 
     def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float, *,
-                       reduce: bool = True) -> None:
-        """Pause the provider for ``wait`` (else its default or overload pause); ``reduce`` also lowers
-        its limit once per burst."""
+                       reduce: bool = True, key: str | None = None) -> None:
+        """Pause the key the answer came on (None: the provider) for ``wait`` (else its default or overload
+        pause); ``reduce`` also lowers its limit once per burst."""
+
+    def report_budget(self, provider: str, budget: Budget, key: str | None = None) -> None:
+        """The provider's rate-limit headers on an answer sent with ``key``: a spent window holds the key."""
 
     def set_limit(self, provider: str, limit: int | None) -> None: ...
+
+    def set_key_limit(self, provider: str, key: str, limit: int | None) -> None:
+        """Raises UnknownLimit for a key the provider's pool does not have."""
+
+    def set_model_limit(self, provider: str, pattern: str, limit: int | None) -> None:
+        """Raises UnknownLimit for a pattern the provider's models do not have."""
 
     def set_cooldown(self, provider: str, seconds: float) -> None: ...
 

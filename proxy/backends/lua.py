@@ -20,6 +20,17 @@ Keys of one provider (``{prefix}:{provider}:...``), always passed in this order:
  9    stars     set of starred workspaces (shared by all providers)
 ====  ========  =============================================================
 
+Levels beside the provider's own (a key of its pool, ``k:<name>``, or a model
+cap, ``m:<pattern>``) live under ``{prefix}:{provider}:lv:<level>`` (a hash with
+the cfg's limit, pause, reduction and budget fields) and ``...:lv:<level>:leases``
+(a zset like ``leases``). ``lmap`` maps each lease to its workspace and levels,
+``wsheld`` counts each workspace's leases (for ``max_share``). The provider's
+``layout`` (cfg field, JSON from CONFIGURE) names its keys and model caps. When
+it has model caps or a share, waiters are also kept per class
+(``...:q:<pattern>\n<workspace>``, names in the set ``...:classes``) so that a
+full cap never holds up a waiter of another class. These keys are derived from
+``KEYS[1]`` inside the scripts: one Redis server (not Redis Cluster) holds them.
+
 The rules are the policy's (:mod:`proxy.limiter.policy`). What it decides reaches
 the scripts as arguments or settings fields: notice templates (auto-reduced,
 recovering), the pause length, the listing length, the counters' names. What
@@ -41,54 +52,110 @@ before ``created_at`` was lost with the data, not expired).
 
 from __future__ import annotations
 
-__all__ = ["BACKOFF", "CANCEL", "CONFIGURE", "DISPATCH", "ENQUEUE", "RELEASE", "RENEW", "RESTAR", "SET_COOLDOWN",
+__all__ = ["BACKOFF", "BUDGET", "CANCEL", "CONFIGURE", "DISPATCH", "ENQUEUE", "RELEASE", "RENEW", "RESTAR", "SET_COOLDOWN",
            "SET_LIMIT", "STATS"]
 
 _PRELUDE = r"""
+local BASE = string.sub(KEYS[1], 1, #KEYS[1] - 3)
+local MAX_LIMIT = 100000
+
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local function num(field, default)
-  local v = redis.call('HGET', KEYS[1], field)
+local function hnum(hash, field, default)
+  local v = redis.call('HGET', hash, field)
   if v == false or v == '' then return default end
   return tonumber(v)
 end
 
-local function limit_of()
-  local v = redis.call('HGET', KEYS[1], 'limit')
+local function num(field, default) return hnum(KEYS[1], field, default) end
+
+local function hlimit(hash)
+  local v = redis.call('HGET', hash, 'limit')
   if v == false or v == '' or v == 'none' then return nil end
   return tonumber(v)
 end
 
-local function recover(now)
-  local from = num('auto_reduced_from', nil)
+local function limit_of() return hlimit(KEYS[1]) end
+
+local function level_hash(lid) return BASE .. 'lv:' .. lid end
+
+-- The provider's keys and model caps: {keys = {{n, l, a}...}, models = {{p, l}...}, share = x or nil}
+local layout_cache = nil
+local function layout()
+  if layout_cache == nil then
+    local raw = redis.call('HGET', KEYS[1], 'layout')
+    layout_cache = (raw and raw ~= '') and cjson.decode(raw) or {keys = {}, models = {}}
+    local pool, models = {}, {}
+    for _, key in ipairs(layout_cache.keys) do
+      if key.a == 1 then table.insert(pool, key.n) end
+    end
+    for _, cap in ipairs(layout_cache.models) do models[cap.p] = true end
+    layout_cache.pool = pool
+    layout_cache.capped = models
+    layout_cache.classed = #layout_cache.models > 0 or layout_cache.share ~= nil
+  end
+  return layout_cache
+end
+
+local function all_levels()
+  local ids = {}
+  for _, key in ipairs(layout().keys) do table.insert(ids, 'k:' .. key.n) end
+  for _, cap in ipairs(layout().models) do table.insert(ids, 'm:' .. cap.p) end
+  return ids
+end
+
+local function recover_hash(hash, now)
+  local from = hnum(hash, 'auto_reduced_from', nil)
   local every = num('recovery_ms', 0)
-  local limit = limit_of()
+  local limit = hlimit(hash)
   if from == nil or every <= 0 or limit == nil then return end
-  if now - num('last_backoff_at', now) < every then return end
+  if now - hnum(hash, 'last_backoff_at', now) < every then return end
   limit = math.min(from, limit + 1)
-  redis.call('HSET', KEYS[1], 'limit', limit, 'last_backoff_at', now)
+  redis.call('HSET', hash, 'limit', limit, 'last_backoff_at', now)
   if limit >= from then
-    redis.call('HDEL', KEYS[1], 'auto_reduced_from', 'notice')
+    redis.call('HDEL', hash, 'auto_reduced_from', 'notice')
   else
     local template = redis.call('HGET', KEYS[1], 'recovering_notice') or ''
     local notice = string.gsub(string.gsub(template, '{N}', tostring(limit)), '{TARGET}', tostring(from))
-    redis.call('HSET', KEYS[1], 'notice', notice)
+    redis.call('HSET', hash, 'notice', notice)
   end
 end
 
--- Take a waiter out: its queue entry, its info and its heartbeat (a no-op for one already gone).
+local function recover(now)
+  recover_hash(KEYS[1], now)
+  for _, lid in ipairs(all_levels()) do recover_hash(level_hash(lid), now) end
+end
+
+-- A lease leaves every level it holds a slot at (a no-op for one already gone); 1 if it was held.
+local function drop_lease(id)
+  local removed = redis.call('ZREM', KEYS[2], id)
+  local raw = redis.call('HGET', BASE .. 'lmap', id)
+  if raw then
+    local held = cjson.decode(raw)
+    for _, lid in ipairs(held.l) do redis.call('ZREM', level_hash(lid) .. ':leases', id) end
+    if redis.call('HINCRBY', BASE .. 'wsheld', held.w, -1) <= 0 then redis.call('HDEL', BASE .. 'wsheld', held.w) end
+    redis.call('HDEL', BASE .. 'lmap', id)
+  end
+  return removed
+end
+
+-- Take a waiter out: its queue entries, its info and its heartbeat (a no-op for one already gone).
 local function forget_waiter(id)
   local info = redis.call('HGET', KEYS[5], id)
-  if info then redis.call('ZREM', KEYS[4], cjson.decode(info).m) end
+  if info then
+    local decoded = cjson.decode(info)
+    redis.call('ZREM', KEYS[4], decoded.m)
+    if decoded.cl then redis.call('ZREM', BASE .. 'q:' .. decoded.cl, decoded.m) end
+  end
   redis.call('HDEL', KEYS[5], id)
   redis.call('ZREM', KEYS[6], id)
 end
 
 local function cleanup(now)
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do drop_lease(id) end
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)) do
     forget_waiter(id)
@@ -104,50 +171,201 @@ local function in_flight()
   return redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
 end
 
--- The head waiter's info, or nil for an orphan entry (no info, or a stale member), which is dropped.
-local function pop_head()
-  local head = redis.call('ZRANGE', KEYS[4], 0, 0)
-  if #head == 0 then return nil, nil, false end
-  local member = head[1]
-  redis.call('ZREM', KEYS[4], member)
-  local id = string.sub(member, string.find(member, ':', 1, true) + 1)
-  local raw = redis.call('HGET', KEYS[5], id)
-  if not raw then return id, nil, true end
-  local info = cjson.decode(raw)
-  if info.m ~= member then return id, nil, true end
-  redis.call('HDEL', KEYS[5], id)
-  redis.call('ZREM', KEYS[6], id)
-  return id, info, true
+-- When a level's pause or budget hold ends (0: neither blocks it).
+local function blocked_until(hash, now)
+  local t = math.max(hnum(hash, 'paused_until', 0), hnum(hash, 'held_until', 0))
+  if t > now then return t end
+  return 0
 end
 
--- Grant head waiters while there is room; each grant becomes a lease and a message to its replica.
+-- Whether a level may take one more slot, and its free slots (nil: no limit).
+local function level_room(lid, now)
+  local hash = level_hash(lid)
+  if blocked_until(hash, now) > 0 then return false, 0 end
+  local limit = hlimit(hash)
+  if limit == nil then return true, nil end
+  local free = limit - redis.call('ZCARD', hash .. ':leases')
+  return free > 0, free
+end
+
+-- policy.pool_paused_until: the provider's pause, else the earliest end while every pool key is blocked.
+local function pause_end(now)
+  local own = num('paused_until', 0)
+  if own > now then return own end
+  local pool = layout().pool
+  if #pool == 0 then return 0 end
+  local earliest = 0
+  for _, name in ipairs(pool) do
+    local t = blocked_until(level_hash('k:' .. name), now)
+    if t == 0 then return 0 end
+    if earliest == 0 or t < earliest then earliest = t end
+  end
+  return earliest
+end
+
+-- policy.choose_key: the preferred key if it may take one, else the most free slots, ties in config order.
+local function choose_key(candidates, preferred)
+  local best, best_free = nil, -1
+  for _, c in ipairs(candidates) do
+    if c[1] == preferred then return c[1] end
+    local room = c[2] or (MAX_LIMIT + 1)
+    if room > best_free then best, best_free = c[1], room end
+  end
+  return best
+end
+
+-- policy.share_cap over the provider's capacity (its limit, else its pool keys' limits together).
+local function share_cap()
+  local share = layout().share
+  if share == nil then return nil end
+  local capacity = limit_of()
+  if capacity == nil then
+    local pool = layout().pool
+    if #pool == 0 then return nil end
+    capacity = 0
+    for _, name in ipairs(pool) do
+      local l = hlimit(level_hash('k:' .. name))
+      if l == nil then return nil end
+      capacity = capacity + l
+    end
+  end
+  return math.max(1, math.ceil(share * capacity - 1e-9))
+end
+
+local function waiter_class(pattern, workspace)
+  if not layout().classed then return nil end
+  return pattern .. '\n' .. (layout().share ~= nil and workspace or '')
+end
+
+-- Take the queue entry ``member`` out and return its waiter's id and info (nil info: an orphan entry).
+local function take_entry(member, class)
+  redis.call('ZREM', KEYS[4], member)
+  if class then
+    local q = BASE .. 'q:' .. class
+    redis.call('ZREM', q, member)
+    if redis.call('ZCARD', q) == 0 then redis.call('SREM', BASE .. 'classes', class) end
+  end
+  local id = string.sub(member, string.find(member, ':', 1, true) + 1)
+  local raw = redis.call('HGET', KEYS[5], id)
+  if not raw then return id, nil end
+  local info = cjson.decode(raw)
+  if info.m ~= member then return id, nil end
+  redis.call('HDEL', KEYS[5], id)
+  redis.call('ZREM', KEYS[6], id)
+  return id, info
+end
+
+-- The next waiter to grant: the queue's head, or with classes the first class head whose model cap has
+-- room, passing over a workspace at its share while another can go. Returns id, info, found.
+local function next_waiter(now)
+  if not layout().classed then
+    local head = redis.call('ZRANGE', KEYS[4], 0, 0)
+    if #head == 0 then return nil, nil, false end
+    local id, info = take_entry(head[1], nil)
+    return id, info, true
+  end
+  local heads = {}
+  for _, class in ipairs(redis.call('SMEMBERS', BASE .. 'classes')) do
+    local head = redis.call('ZRANGE', BASE .. 'q:' .. class, 0, 0)
+    if #head == 0 then
+      redis.call('SREM', BASE .. 'classes', class)
+    else
+      table.insert(heads, {head[1], class})
+    end
+  end
+  table.sort(heads, function(a, b) return a[1] < b[1] end)
+  local cap = share_cap()
+  local over_share = nil
+  for _, head in ipairs(heads) do
+    local cut = string.find(head[2], '\n', 1, true)
+    local pattern, workspace = string.sub(head[2], 1, cut - 1), string.sub(head[2], cut + 1)
+    local room = true
+    if pattern ~= '' and layout().capped[pattern] then room = level_room('m:' .. pattern, now) end
+    if room then
+      local held = 0
+      if cap ~= nil then held = tonumber(redis.call('HGET', BASE .. 'wsheld', workspace) or '0') end
+      if cap ~= nil and held >= cap then
+        if over_share == nil then over_share = head end
+      else
+        local id, info = take_entry(head[1], head[2])
+        return id, info, true
+      end
+    end
+  end
+  if over_share ~= nil then
+    local id, info = take_entry(over_share[1], over_share[2])
+    return id, info, true
+  end
+  return nil, nil, false
+end
+
+-- A grant counts against the requests the last answer said were left in the window (LimitLevel.take):
+-- the last one left holds the key until the window resets.
+local function count_against_budget(hash, now)
+  local left = hnum(hash, 'left', nil)
+  if left == nil then return end
+  if left - 1 > 0 then
+    redis.call('HSET', hash, 'left', left - 1)
+    return
+  end
+  redis.call('HDEL', hash, 'left')
+  local reset = hnum(hash, 'left_reset', 0)
+  if reset > now and reset > hnum(hash, 'held_until', 0) then redis.call('HSET', hash, 'held_until', reset) end
+end
+
+local function grant(id, info, key, now, lease_ttl, channel)
+  local levels = {}
+  if key ~= '' then table.insert(levels, 'k:' .. key) end
+  if info.pt and info.pt ~= '' and layout().capped[info.pt] then table.insert(levels, 'm:' .. info.pt) end
+  count_against_budget(key ~= '' and level_hash('k:' .. key) or KEYS[1], now)
+  redis.call('ZADD', KEYS[2], now + lease_ttl, id)
+  for _, lid in ipairs(levels) do redis.call('ZADD', level_hash(lid) .. ':leases', now + lease_ttl, id) end
+  redis.call('HSET', BASE .. 'lmap', id, cjson.encode({w = info.w, l = levels}))
+  redis.call('HINCRBY', BASE .. 'wsheld', info.w, 1)
+  redis.call('HSET', KEYS[7], id, id .. ' ' .. now .. ' ' .. key)
+  redis.call('HINCRBY', KEYS[1], 'granted', 1)
+  redis.call('PUBLISH', channel .. info.r, id .. ' ' .. id .. ' ' .. now .. ' ' .. key)
+end
+
+-- Grant waiters while every level they need has room; each grant becomes a lease and a message to its replica.
 local function dispatch(now, lease_ttl, channel)
   if not configured() or num('settle_until', 0) > now then return 0 end
-  if num('paused_until', 0) > now then return 0 end
+  if blocked_until(KEYS[1], now) > 0 then return 0 end
   local limit = limit_of()
+  local pool = layout().pool
   local count = 0
   while limit == nil or in_flight() < limit do
-    local id, info, found = pop_head()
+    local candidates = {}
+    for _, name in ipairs(pool) do
+      local ok, free = level_room('k:' .. name, now)
+      if ok then table.insert(candidates, {name, free}) end
+    end
+    if #pool > 0 and #candidates == 0 then break end
+    local id, info, found = next_waiter(now)
     if not found then break end
     if info then
-      redis.call('ZADD', KEYS[2], now + lease_ttl, id)
-      redis.call('HSET', KEYS[7], id, id .. ' ' .. now)
-      redis.call('HINCRBY', KEYS[1], 'granted', 1)
-      redis.call('PUBLISH', channel .. info.r, id .. ' ' .. id .. ' ' .. now)
+      local key = ''
+      if #pool > 0 then key = choose_key(candidates, info.k) end
+      grant(id, info, key, now, lease_ttl, channel)
       count = count + 1
     end
   end
   return count
 end
 
--- When something time-based next changes the room: the end of a pause, a cooldown or a lease.
+-- When something time-based next changes the room: the end of a pause, a hold, a cooldown or a lease.
 local function next_event(now)
   local best = 0
   local function consider(t)
     if t and t > now and (best == 0 or t < best) then best = t end
   end
   consider(num('paused_until', 0))
+  consider(num('held_until', 0))
   consider(num('settle_until', 0))
+  for _, lid in ipairs(all_levels()) do
+    consider(hnum(level_hash(lid), 'paused_until', 0))
+    consider(hnum(level_hash(lid), 'held_until', 0))
+  end
   local c = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
   if #c > 0 then consider(tonumber(c[2])) end
   local l = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
@@ -158,11 +376,26 @@ end
 local function waiter_member(starred, prompt_ms, seq, id)
   return string.format('%d%014d%012d:%s', starred and 0 or 1, prompt_ms, seq, id)
 end
+
+-- Put a waiter's entry in the queue (and its class's), given its info.
+local function queue_entry(info)
+  redis.call('ZADD', KEYS[4], 0, info.m)
+  if info.cl then
+    redis.call('ZADD', BASE .. 'q:' .. info.cl, 0, info.m)
+    redis.call('SADD', BASE .. 'classes', info.cl)
+  end
+end
+
+-- The level a script's level argument names: '' is the provider's own cfg hash.
+local function hash_of(lid)
+  if lid == nil or lid == '' then return KEYS[1] end
+  return level_hash(lid)
+end
 """
 
 ENQUEUE = _PRELUDE + r"""
 -- ARGV: id, replica, workspace, header_starred, prompt_ms, conversation, seq ('' = new),
---       lease_ttl, waiter_ttl, max_queue, channel
+--       lease_ttl, waiter_ttl, max_queue, channel, model cap pattern ('' = none), preferred key ('' = none)
 local now = now_ms()
 cleanup(now)
 local done = redis.call('HGET', KEYS[7], ARGV[1])
@@ -171,8 +404,7 @@ if done then
   return {1, done, tonumber(ARGV[7]) or 0}
 end
 if not configured() then return {-2, '0', tonumber(ARGV[7]) or 0} end
-local old = redis.call('HGET', KEYS[5], ARGV[1])
-if old then redis.call('ZREM', KEYS[4], cjson.decode(old).m) end
+forget_waiter(ARGV[1])
 local seq = tonumber(ARGV[7])
 if seq then
   -- a waiter put back after Redis lost its data keeps its number; later arrivals come after it
@@ -181,10 +413,11 @@ else
   seq = redis.call('INCR', KEYS[8])
 end
 local starred = ARGV[4] == '1' or redis.call('SISMEMBER', KEYS[9], ARGV[3]) == 1
-local member = waiter_member(starred, tonumber(ARGV[5]), seq, ARGV[1])
-redis.call('ZADD', KEYS[4], 0, member)
-redis.call('HSET', KEYS[5], ARGV[1], cjson.encode({m = member, r = ARGV[2], w = ARGV[3], s = ARGV[4],
-  p = tonumber(ARGV[5]), q = seq, c = ARGV[6], t = now}))
+local info = {m = waiter_member(starred, tonumber(ARGV[5]), seq, ARGV[1]), r = ARGV[2], w = ARGV[3], s = ARGV[4],
+  p = tonumber(ARGV[5]), q = seq, c = ARGV[6], t = now, pt = ARGV[12], k = ARGV[13],
+  cl = waiter_class(ARGV[12], ARGV[3])}
+queue_entry(info)
+redis.call('HSET', KEYS[5], ARGV[1], cjson.encode(info))
 redis.call('ZADD', KEYS[6], now + tonumber(ARGV[9]), ARGV[1])
 dispatch(now, tonumber(ARGV[8]), ARGV[11])
 local g = redis.call('HGET', KEYS[7], ARGV[1])
@@ -195,7 +428,7 @@ end
 if redis.call('ZCARD', KEYS[4]) > tonumber(ARGV[10]) then
   forget_waiter(ARGV[1])
   redis.call('HINCRBY', KEYS[1], 'queue_full', 1)
-  return {-1, num('paused_until', 0) .. ' ' .. now, seq}
+  return {-1, pause_end(now) .. ' ' .. now, seq}
 end
 return {0, tostring(next_event(now)), seq}
 """
@@ -211,7 +444,7 @@ return tostring(next_event(now))
 RELEASE = _PRELUDE + r"""
 -- ARGV: lease, waiter id, lease_ttl, channel
 local now = now_ms()
-local removed = redis.call('ZREM', KEYS[2], ARGV[1])
+local removed = drop_lease(ARGV[1])
 redis.call('HDEL', KEYS[7], ARGV[2])
 local cooldown = num('cooldown_ms', 0)
 if removed == 1 and cooldown > 0 then
@@ -233,19 +466,20 @@ local g = redis.call('HGET', KEYS[7], ARGV[1])
 if g then
   redis.call('HDEL', KEYS[7], ARGV[1])
   if ARGV[4] ~= '1' then
-    redis.call('ZREM', KEYS[2], string.sub(g, 1, string.find(g, ' ', 1, true) - 1))
+    drop_lease(string.sub(g, 1, string.find(g, ' ', 1, true) - 1))
   end
 end
 cleanup(now)
 dispatch(now, tonumber(ARGV[2]), ARGV[3])
-return num('paused_until', 0) .. ' ' .. now
+return pause_end(now) .. ' ' .. now
 """
 
 RENEW = _PRELUDE + r"""
 -- ARGV: lease_ttl, waiter_ttl, channel, n_leases, lease ids..., their grant times (ms)..., waiter ids...
--- Returns {missing leases, grants found for our waiters ("id lease at"), waiters lost, next event,
+-- Returns {missing leases, grants found for our waiters ("id lease at key"), waiters lost, next event,
 --          1 if the provider is configured here (0: Redis lost its data; run CONFIGURE)}.
--- A lease granted before this Redis's data was created was lost with it, not expired: it is put back.
+-- A lease granted before this Redis's data was created was lost with it, not expired: it is put back
+-- (at the provider's level; its key and model levels were lost with the data).
 local now = now_ms()
 cleanup(now)
 local lease_ttl, waiter_ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -255,6 +489,12 @@ local missing, grants, lost = {}, {}, {}
 for i = 5, 4 + n do
   if redis.call('ZSCORE', KEYS[2], ARGV[i]) then
     redis.call('ZADD', KEYS[2], 'XX', now + lease_ttl, ARGV[i])
+    local raw = redis.call('HGET', BASE .. 'lmap', ARGV[i])
+    if raw then
+      for _, lid in ipairs(cjson.decode(raw).l) do
+        redis.call('ZADD', level_hash(lid) .. ':leases', 'XX', now + lease_ttl, ARGV[i])
+      end
+    end
   elseif created == nil or tonumber(ARGV[i + n]) < created then
     redis.call('ZADD', KEYS[2], now + lease_ttl, ARGV[i])
   else
@@ -281,36 +521,58 @@ return {missing, grants, lost, tostring(next_event(now)), configured() and 1 or 
 
 BACKOFF = _PRELUDE + r"""
 -- ARGV: cause, wait_ms (policy.pause_length), sent_at (-1 = unknown), notice template with {N},
---       reduces ('1': a status in reduce_statuses, lower the limit once per burst; '0': pause only)
+--       reduces ('1': a status in reduce_statuses, lower the limit once per burst; '0': pause only),
+--       level ('' = the provider; 'k:<name>' = the key the answer came on)
 local now = now_ms()
+local hash = hash_of(ARGV[6])
 local wait = tonumber(ARGV[2])
-local paused_until = num('paused_until', 0)
+local paused_until = hnum(hash, 'paused_until', 0)
 local sent_at = tonumber(ARGV[3])
-local same_burst = paused_until > now or (sent_at >= 0 and sent_at <= num('last_reduction_at', -1))
-if now + wait > paused_until then redis.call('HSET', KEYS[1], 'paused_until', now + wait) end
-redis.call('HINCRBY', KEYS[1], 'backoffs', 1)
-redis.call('HSET', KEYS[1], 'last_backoff_at', now)
+local same_burst = paused_until >= now or (sent_at >= 0 and sent_at <= hnum(hash, 'last_reduction_at', -1))
+if now + wait > paused_until then redis.call('HSET', hash, 'paused_until', now + wait) end
+redis.call('HINCRBY', hash, 'backoffs', 1)
+redis.call('HSET', hash, 'last_backoff_at', now)
 local reduced = 0
 if not same_burst and ARGV[5] == '1' then
-  redis.call('HSET', KEYS[1], 'last_reduction_at', now)
-  local limit = limit_of()
+  redis.call('HSET', hash, 'last_reduction_at', now)
+  local limit = hlimit(hash)
   if limit and limit > 1 then
-    if num('auto_reduced_from', nil) == nil then redis.call('HSET', KEYS[1], 'auto_reduced_from', limit) end
+    if hnum(hash, 'auto_reduced_from', nil) == nil then redis.call('HSET', hash, 'auto_reduced_from', limit) end
     limit = limit - 1
     local notice = string.gsub(ARGV[4], '{N}', tostring(limit))
-    redis.call('HSET', KEYS[1], 'limit', limit, 'notice', notice)
-    redis.call('HINCRBY', KEYS[1], 'auto_reductions', 1)
+    redis.call('HSET', hash, 'limit', limit, 'notice', notice)
+    redis.call('HINCRBY', hash, 'auto_reductions', 1)
     reduced = 1
   end
 end
-return {reduced, tostring(limit_of() or 'none'), tostring(math.max(paused_until, now + wait))}
+return {reduced, tostring(hlimit(hash) or 'none'), tostring(math.max(paused_until, now + wait))}
+"""
+
+BUDGET = _PRELUDE + r"""
+-- ARGV: level ('' = the provider, 'k:<name>' = a key), hold_ms (0: no hold), the budget as JSON
+--       {remaining_requests, remaining_tokens, reset_in_ms, requests_reset_in_ms}.
+-- Not a backoff: no pause, reduction or notice.
+local now = now_ms()
+local hash = hash_of(ARGV[1])
+local budget = cjson.decode(ARGV[3])
+local reset_at = ''
+if budget.reset_in_ms ~= nil and budget.reset_in_ms ~= cjson.null then reset_at = now + budget.reset_in_ms end
+redis.call('HSET', hash, 'budget', cjson.encode({budget.remaining_requests, budget.remaining_tokens, reset_at}))
+local hold = tonumber(ARGV[2])
+if hold > 0 and now + hold > hnum(hash, 'held_until', 0) then redis.call('HSET', hash, 'held_until', now + hold) end
+local requests_reset = tonumber(budget.requests_reset_in_ms)
+if type(budget.remaining_requests) == 'number' and requests_reset and requests_reset > 0 then
+  redis.call('HSET', hash, 'left', budget.remaining_requests, 'left_reset', now + requests_reset)
+end
+return tostring(next_event(now))
 """
 
 SET_LIMIT = _PRELUDE + r"""
--- ARGV: limit ('none' or n), lease_ttl, channel
+-- ARGV: limit ('none' or n), lease_ttl, channel, level ('' = the provider)
 local now = now_ms()
-redis.call('HSET', KEYS[1], 'limit', ARGV[1])
-redis.call('HDEL', KEYS[1], 'auto_reduced_from', 'notice')
+local hash = hash_of(ARGV[4])
+redis.call('HSET', hash, 'limit', ARGV[1])
+redis.call('HDEL', hash, 'auto_reduced_from', 'notice')
 cleanup(now)
 dispatch(now, tonumber(ARGV[2]), ARGV[3])
 return 1
@@ -325,7 +587,8 @@ return 1
 CONFIGURE = _PRELUDE + r"""
 -- ARGV: configured limit ('none' or n), configured cooldown_ms, recovering notice template ({N}, {TARGET}),
 --       recovery_ms, lease_ttl, channel,
---       settle_ms (how long to hold grants back if this re-creates the provider after Redis lost its data)
+--       settle_ms (how long to hold grants back if this re-creates the provider after Redis lost its data),
+--       layout (JSON: {keys = [{n, l, a}], models = [{p, l}], share})
 -- A changed configured value is a manual act: it replaces the effective one and clears any auto-reduction.
 local now = now_ms()
 if not configured() then
@@ -333,16 +596,34 @@ if not configured() then
 elseif num('created_at', nil) == nil then
   redis.call('HSET', KEYS[1], 'created_at', now)
 end
-local old_limit = redis.call('HGET', KEYS[1], 'configured_limit')
-if old_limit ~= ARGV[1] then
-  redis.call('HSET', KEYS[1], 'limit', ARGV[1], 'configured_limit', ARGV[1])
-  redis.call('HDEL', KEYS[1], 'auto_reduced_from', 'notice')
+local function configure_level(hash, limit)
+  if redis.call('HGET', hash, 'configured_limit') ~= limit then
+    redis.call('HSET', hash, 'limit', limit, 'configured_limit', limit)
+    redis.call('HDEL', hash, 'auto_reduced_from', 'notice')
+  end
 end
+configure_level(KEYS[1], ARGV[1])
 local old_cooldown = redis.call('HGET', KEYS[1], 'configured_cooldown_ms')
 if old_cooldown ~= ARGV[2] then
   redis.call('HSET', KEYS[1], 'cooldown_ms', ARGV[2], 'configured_cooldown_ms', ARGV[2])
 end
-redis.call('HSET', KEYS[1], 'recovering_notice', ARGV[3], 'recovery_ms', ARGV[4])
+local was_classed, had_share = layout().classed, layout().share ~= nil
+redis.call('HSET', KEYS[1], 'recovering_notice', ARGV[3], 'recovery_ms', ARGV[4], 'layout', ARGV[8])
+layout_cache = nil
+for _, key in ipairs(layout().keys) do configure_level(level_hash('k:' .. key.n), key.l) end
+for _, cap in ipairs(layout().models) do configure_level(level_hash('m:' .. cap.p), cap.l) end
+if was_classed ~= layout().classed or had_share ~= (layout().share ~= nil) then
+  -- waiters are kept apart differently now: file each under its new class
+  for _, class in ipairs(redis.call('SMEMBERS', BASE .. 'classes')) do redis.call('DEL', BASE .. 'q:' .. class) end
+  redis.call('DEL', BASE .. 'classes')
+  local all = redis.call('HGETALL', KEYS[5])
+  for i = 1, #all, 2 do
+    local info = cjson.decode(all[i + 1])
+    info.cl = waiter_class(info.pt or '', info.w)
+    queue_entry(info)
+    redis.call('HSET', KEYS[5], all[i], cjson.encode(info))
+  end
+end
 cleanup(now)
 dispatch(now, tonumber(ARGV[5]), ARGV[6])
 return 1
@@ -358,8 +639,9 @@ for i = 1, #all, 2 do
   local member = waiter_member(starred, info.p, info.q, id)
   if member ~= info.m then
     redis.call('ZREM', KEYS[4], info.m)
-    redis.call('ZADD', KEYS[4], 0, member)
+    if info.cl then redis.call('ZREM', BASE .. 'q:' .. info.cl, info.m) end
     info.m = member
+    queue_entry(info)
     redis.call('HSET', KEYS[5], id, cjson.encode(info))
   end
 end
@@ -369,7 +651,8 @@ return 1
 """
 
 STATS = _PRELUDE + r"""
--- ARGV: queue entries to list. Returns {cfg pairs, leases, cooling, queued, now, queue infos...}
+-- ARGV: queue entries to list. Returns {cfg pairs, leases, cooling, queued, now, queue infos...,
+--          levels: {level id, its hash pairs, its leases}...}
 local now = now_ms()
 cleanup(now)
 local head = redis.call('ZRANGE', KEYS[4], 0, tonumber(ARGV[1]) - 1)
@@ -380,6 +663,11 @@ for _, member in ipairs(head) do
   info.starred = string.sub(member, 1, 1) == '0'
   table.insert(infos, cjson.encode(info))
 end
+local levels = {}
+for _, lid in ipairs(all_levels()) do
+  local hash = level_hash(lid)
+  table.insert(levels, {lid, redis.call('HGETALL', hash), redis.call('ZCARD', hash .. ':leases')})
+end
 return {redis.call('HGETALL', KEYS[1]), redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]),
-        redis.call('ZCARD', KEYS[4]), tostring(now), infos}
+        redis.call('ZCARD', KEYS[4]), tostring(now), infos, levels, tostring(pause_end(now))}
 """

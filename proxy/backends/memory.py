@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from ..aio import result_if_any
 from ..errors import ProxyError, UnknownProvider
 from ..limiter import (
+    Budget,
     Clock,
     Lease,
     LimiterSettings,
@@ -85,13 +86,13 @@ class MemoryBackend:
         return self._limiters.get(provider)
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
-                      client_wait: float | None = None) -> SlotLease:
+                      client_wait: float | None = None, model: str | None = None) -> SlotLease:
         limiter = self.limiter(provider)
-        lease = limiter.try_acquire(priority, seq)
+        lease = limiter.try_acquire(priority, seq, model)
         if lease is not None:
             return lease
         parked = _Parked(asyncio.get_running_loop().create_future())
-        waiter = limiter.enqueue(priority, parked.grant, parked.reject, seq, client_wait)
+        waiter = limiter.enqueue(priority, parked.grant, parked.reject, seq, client_wait, model)
         try:
             return await parked.future
         except asyncio.CancelledError:
@@ -105,13 +106,24 @@ class MemoryBackend:
             raise
 
     def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float, *,
-                       reduce: bool = True) -> None:
+                       reduce: bool = True, key: str | None = None) -> None:
         limiter = self._limiters.get(provider) or self._retired.get(provider)
         if limiter is not None:
-            limiter.report_backoff(cause, wait, sent_at=sent_at, reduce=reduce)
+            limiter.report_backoff(cause, wait, sent_at=sent_at, reduce=reduce, key=key)
+
+    def report_budget(self, provider: str, budget: Budget, key: str | None = None) -> None:
+        limiter = self._limiters.get(provider)
+        if limiter is not None:
+            limiter.report_budget(budget, key)
 
     def set_limit(self, provider: str, limit: int | None) -> None:
         self.limiter(provider).set_limit(limit)
+
+    def set_key_limit(self, provider: str, key: str, limit: int | None) -> None:
+        self.limiter(provider).set_key_limit(key, limit)
+
+    def set_model_limit(self, provider: str, pattern: str, limit: int | None) -> None:
+        self.limiter(provider).set_model_limit(pattern, limit)
 
     def set_cooldown(self, provider: str, seconds: float) -> None:
         self.limiter(provider).set_cooldown(seconds)

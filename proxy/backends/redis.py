@@ -34,11 +34,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from ..aio import result_if_any
-from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownProvider
+from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit, UnknownProvider
 from ..limiter import (
+    Budget,
     Clock,
+    KeyStatus,
     LimiterSettings,
     LoopClock,
+    ModelStatus,
     Priority,
     ProviderStatus,
     SlotLease,
@@ -67,6 +70,7 @@ class RedisLease:
         "_watchdog",
         "granted_at",
         "granted_at_ms",
+        "key",
         "lease_id",
         "on_reclaim",
         "priority",
@@ -80,8 +84,9 @@ class RedisLease:
     )
 
     def __init__(self, backend: RedisBackend, provider: str, waiter_id: str, lease_id: str, granted_at_ms: int,
-                 queue_wait: float, priority: Priority, seq: int) -> None:
+                 queue_wait: float, priority: Priority, seq: int, key: str | None = None) -> None:
         self._backend = backend
+        self.key = key
         self.provider = provider
         self.waiter_id = waiter_id
         self.lease_id = lease_id
@@ -126,7 +131,7 @@ class _Waiter:
     handed back by that CANCEL, not taken."""
 
     __slots__ = ("asked_at", "client_bound", "client_wait", "expiring", "future", "gone", "in_redis", "local",
-                 "priority", "provider", "seq", "wait_limit", "waiter_id")
+                 "model", "pattern", "priority", "provider", "seq", "wait_limit", "waiter_id")
 
     def __init__(self, waiter_id: str, future: asyncio.Future[RedisLease], provider: str, priority: Priority,
                  asked_at: float) -> None:
@@ -143,6 +148,8 @@ class _Waiter:
         self.wait_limit: float | None = None
         self.client_bound = False
         self.client_wait: float | None = None
+        self.model: str | None = None
+        self.pattern: str | None = None
 
     @property
     def queued(self) -> bool:
@@ -185,9 +192,11 @@ class RedisBackend:
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending: set[asyncio.Task[Any]] = set()
+        self._signals: set[asyncio.Task[Any]] = set()
         self._snapshot: dict[str, ProviderStatus] = {}
         self._reclaims: dict[str, int] = {}
         self._local = MemoryBackend(self.clock)
+        self._sticky = policy.StickyKeys()
         self._deadlines: Deadlines[_Waiter] = Deadlines(self.clock, self._expire)
         self.healthy = True
         self.error: str | None = None
@@ -217,6 +226,13 @@ class RedisBackend:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._redis.aclose(close_connection_pool=True)
+
+    def _signal(self, coro: Any) -> None:
+        """A backoff or a budget on its way to Redis: requests that ask for a slot meanwhile wait for it,
+        so a retry after a 429 never reaches Redis before the pause its 429 caused."""
+        task = self._spawn(coro)
+        self._signals.add(task)
+        task.add_done_callback(self._signals.discard)
 
     def _spawn(self, coro: Any, *, keep: bool = False) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -285,7 +301,7 @@ class RedisBackend:
         recovering = policy.recovering_notice("{N}", "{TARGET}", settings.recovery_after or 0.0)
         done = await self._guarded("CONFIGURE", provider, _limit_arg(settings.limit),
                                    int(settings.release_cooldown * 1000), recovering,
-                                   recovery_ms, self._lease_ttl_ms, self._channel, settle_ms)
+                                   recovery_ms, self._lease_ttl_ms, self._channel, settle_ms, _layout(settings))
         if done is not None:
             self._configured.add(provider)
 
@@ -313,17 +329,22 @@ class RedisBackend:
     # ----- acquire ---------------------------------------------------------------
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
-                      client_wait: float | None = None) -> SlotLease:
+                      client_wait: float | None = None, model: str | None = None) -> SlotLease:
         settings = self._settings.get(provider)
         if settings is None:
             raise UnknownProvider.named(provider)
         if not self.healthy and self._mode == "local":
-            return await self._local.acquire(provider, priority, seq=seq, client_wait=client_wait)
+            return await self._local.acquire(provider, priority, seq=seq, client_wait=client_wait, model=model)
+        if self._signals:
+            await asyncio.gather(*list(self._signals), return_exceptions=True)
         loop = asyncio.get_running_loop()
         waiter_id = f"{self.replica}-{next(self._ids)}"
         waiter = _Waiter(waiter_id, loop.create_future(), provider, priority, loop.time())
         waiter.wait_limit, waiter.client_bound = policy.queue_wait_limit(settings.queue_timeout, client_wait)
         waiter.client_wait = client_wait
+        waiter.model = model
+        if settings.models:
+            waiter.pattern = policy.model_pattern(model, [cap.pattern for cap in settings.models])
         self._waiters[waiter_id] = waiter
         if waiter.wait_limit is not None and waiter.wait_limit > 0:
             self._deadlines.add(waiter, self.clock.time() + waiter.wait_limit)
@@ -385,14 +406,14 @@ class RedisBackend:
                 if self._mode == "local":
                     waiter.local = True
                     return await self._local.acquire(waiter.provider, waiter.priority, seq=seq,
-                                                     client_wait=waiter.client_wait)
+                                                     client_wait=waiter.client_wait, model=waiter.model)
                 await self._wait_or_expire(waiter)
         status, detail, waiter.seq = int(result[0]), _text(result[1]), int(result[2])
         if waiter.expiring:
             # Timed out while the ENQUEUE was in flight. A grant in its answer was taken out of Redis's
             # records, out of reach of the timeout's CANCEL: hand it back here.
             if status == 1:
-                lease_id = detail.split(" ")[0]
+                lease_id = detail.split(" ", 1)[0]
                 self._spawn(self._guarded("RELEASE", waiter.provider, lease_id, waiter_id, self._lease_ttl_ms,
                                           self._channel))
             return await waiter.future
@@ -421,7 +442,8 @@ class RedisBackend:
         args = (waiter_id, self.replica, priority.workspace, "1" if priority.starred else "0",
                 policy.prompt_ms(priority.prompt_started_at), priority.conversation or "",
                 "" if waiter.seq is None else waiter.seq, self._lease_ttl_ms, self._waiter_ttl_ms,
-                settings.max_queue, self._channel)
+                settings.max_queue, self._channel, waiter.pattern or "",
+                (self._sticky.get(priority.conversation) or "") if settings.keys else "")
         result = await self._run("ENQUEUE", waiter.provider, *args)
         if int(result[0]) == _UNCONFIGURED:
             await self._configure_one(waiter.provider)
@@ -431,10 +453,11 @@ class RedisBackend:
         return result
 
     def _adopt(self, waiter_id: str, waiter: _Waiter, grant: str) -> RedisLease:
-        lease_id, granted_at = grant.split(" ")
+        lease_id, granted_at, key = _grant_parts(grant)
         queue_wait = asyncio.get_running_loop().time() - waiter.asked_at
         lease = RedisLease(self, waiter.provider, waiter_id, lease_id, int(granted_at), queue_wait, waiter.priority,
-                           waiter.seq or 0)
+                           waiter.seq or 0, key)
+        self._sticky.remember(waiter.priority.conversation, key)
         self._leases[lease_id] = lease
         slot_timeout = self._settings[waiter.provider].slot_timeout
         if slot_timeout is not None:
@@ -491,8 +514,8 @@ class RedisBackend:
                 await pubsub.subscribe(self._channel + self.replica)
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
-                        waiter_id, lease_id, granted_at = _text(message["data"]).split(" ")
-                        self._resolve(waiter_id, f"{lease_id} {granted_at}")
+                        waiter_id, grant = _text(message["data"]).split(" ", 1)
+                        self._resolve(waiter_id, grant)
             except (RedisError, OSError) as exc:
                 self._mark_unhealthy(exc)
                 await asyncio.sleep(self._renew_every)
@@ -571,22 +594,73 @@ class RedisBackend:
     # ----- control ---------------------------------------------------------------
 
     def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float, *,
-                       reduce: bool = True) -> None:
+                       reduce: bool = True, key: str | None = None) -> None:
         settings = self._settings.get(provider)
-        if settings is None:
+        level = self._key_level(settings, key)
+        if settings is None or level is None:
             return
         default = policy.default_pause(reduce, settings.default_pause, settings.overload_pause)
         wait_ms = int(policy.pause_length(wait, default) * 1000)
         template = policy.auto_reduce_notice("{N}", cause)
-        self._spawn(self._guarded("BACKOFF", provider, cause, wait_ms, int(sent_at * 1000), template,
-                                  "1" if reduce else "0"))
+        self._signal(self._guarded("BACKOFF", provider, cause, wait_ms, int(sent_at * 1000), template,
+                                   "1" if reduce else "0", level))
         if not self.healthy:
-            self._local.report_backoff(provider, cause, wait, sent_at, reduce=reduce)
+            self._local.report_backoff(provider, cause, wait, sent_at, reduce=reduce, key=key)
+
+    def report_budget(self, provider: str, budget: Budget, key: str | None = None) -> None:
+        settings = self._settings.get(provider)
+        level = self._key_level(settings, key)
+        if settings is None or level is None:
+            return
+        now = time.time()
+        hold_ms = 0 if budget.held_until is None else max(0, int((budget.held_until - now) * 1000))
+        reset_in = None if budget.reset_at is None else max(0, int((budget.reset_at - now) * 1000))
+        requests_reset_in = None if budget.requests_reset is None else int((budget.requests_reset - now) * 1000)
+        summary = json.dumps({"remaining_requests": budget.remaining_requests,
+                              "remaining_tokens": budget.remaining_tokens, "reset_in_ms": reset_in,
+                              "requests_reset_in_ms": requests_reset_in})
+        self._signal(self._budget_script(provider, level, hold_ms, summary))
+        if not self.healthy:
+            self._local.report_budget(provider, budget, key)
+
+    async def _budget_script(self, provider: str, level: str, hold_ms: int, summary: str) -> None:
+        next_at = await self._guarded("BUDGET", provider, level, hold_ms, summary)
+        if next_at is not None:
+            self._schedule_dispatch(provider, int(_text(next_at)))
+
+    @staticmethod
+    def _key_level(settings: LimiterSettings | None, key: str | None) -> str | None:
+        """The level a key's answer reports to ('' for the provider's own); None for a key the config
+        has dropped since the request was sent."""
+        if key is None:
+            return ""
+        if settings is None or all(k.name != key for k in settings.keys):
+            return None
+        return f"k:{key}"
 
     def set_limit(self, provider: str, limit: int | None) -> None:
         self._require(provider)
         policy.validate_limit(limit)
-        self._spawn(self._guarded("SET_LIMIT", provider, _limit_arg(limit), self._lease_ttl_ms, self._channel))
+        self._spawn(self._guarded("SET_LIMIT", provider, _limit_arg(limit), self._lease_ttl_ms, self._channel, ""))
+
+    def set_key_limit(self, provider: str, key: str, limit: int | None) -> None:
+        self._require(provider)
+        names = [k.name for k in self._settings[provider].keys]
+        if key not in names:
+            raise UnknownLimit(f"provider '{provider}' has no key '{key}' (configured: {', '.join(names) or 'none'})")
+        policy.validate_limit(limit)
+        self._spawn(self._guarded("SET_LIMIT", provider, _limit_arg(limit), self._lease_ttl_ms, self._channel,
+                                  f"k:{key}"))
+
+    def set_model_limit(self, provider: str, pattern: str, limit: int | None) -> None:
+        self._require(provider)
+        patterns = [cap.pattern for cap in self._settings[provider].models]
+        if pattern not in patterns:
+            raise UnknownLimit(f"provider '{provider}' has no model cap '{pattern}' (configured: "
+                               f"{', '.join(patterns) or 'none'})")
+        policy.validate_limit(limit)
+        self._spawn(self._guarded("SET_LIMIT", provider, _limit_arg(limit), self._lease_ttl_ms, self._channel,
+                                  f"m:{pattern}"))
 
     def set_cooldown(self, provider: str, seconds: float) -> None:
         self._require(provider)
@@ -639,10 +713,10 @@ class RedisBackend:
             self._snapshot[provider] = self._status_from(provider, result)
 
     def _status_from(self, provider: str, result: list[Any]) -> ProviderStatus:
-        raw, leases, cooling, queued, now_ms, infos = result
-        cfg = {_text(raw[i]): _text(raw[i + 1]) for i in range(0, len(raw), 2)}
+        raw, leases, cooling, queued, now_ms, infos, levels, pause_end = result
+        cfg = _pairs(raw)
         now = int(_text(now_ms))
-        paused_until = int(cfg.get("paused_until", "0") or 0)
+        paused_until = int(_text(pause_end))
         auto_from = cfg.get("auto_reduced_from")
         queue = []
         for item in infos:
@@ -652,6 +726,19 @@ class RedisBackend:
                                       conversation=info["c"] or None))
         counters = {name: int(cfg.get(name, "0") or 0) for name in policy.COUNTERS}
         counters["reclaims"] = self._reclaims.get(provider, 0)
+        settings = self._settings[provider]
+        by_level = {_text(lid): (_pairs(pairs), int(count)) for lid, pairs, count in levels}
+        for fields, _ in by_level.values():
+            for name in ("backoffs", "auto_reductions"):
+                counters[name] += int(fields.get(name, "0") or 0)
+        keys = tuple(_key_status(key.name, key.name in {k.name for k in settings.pool()},
+                                 *by_level.get(f"k:{key.name}", ({}, 0)), now, settings.budgets)
+                     for key in settings.keys)
+        models = []
+        for cap in settings.models:
+            fields, count = by_level.get(f"m:{cap.pattern}", ({}, 0))
+            models.append(ModelStatus(cap.pattern, _limit_value(fields.get("limit")),
+                                      _limit_value(fields.get("configured_limit")), count))
         return ProviderStatus(
             provider=provider,
             limit=_limit_value(cfg.get("limit")),
@@ -666,6 +753,9 @@ class RedisBackend:
             notice=cfg.get("notice"),
             queue=tuple(queue),
             counters=counters,
+            keys=keys,
+            models=tuple(models),
+            budget=_budget_status(cfg, now) if settings.budgets and not settings.pool() else None,
         )
 
     def statistics(self, *, queue_detail: bool = True) -> list[ProviderStatus]:
@@ -683,10 +773,14 @@ class RedisBackend:
     def _unread_status(self, provider: str) -> ProviderStatus:
         """Before Redis answered (or while it does not): the settings, and this replica's own slots."""
         settings = self._settings[provider]
+        keys = tuple(_key_status(key.name, key.available, {"limit": _limit_arg(key.limit),
+                                                           "configured_limit": _limit_arg(key.limit)},
+                                 0, 0, settings.budgets) for key in settings.keys)
+        models = tuple(ModelStatus(cap.pattern, cap.limit, cap.limit, 0) for cap in settings.models)
         return ProviderStatus(provider=provider, limit=settings.limit, configured_limit=settings.limit,
                               in_flight=self.local_in_flight(provider), queued=0, paused=False,
                               paused_until=None, cooldown_ms=int(settings.release_cooldown * 1000),
-                              auto_reduced=False, auto_reduced_from=None, notice=None)
+                              auto_reduced=False, auto_reduced_from=None, notice=None, keys=keys, models=models)
 
     def local_in_flight(self, provider: str) -> int:
         return sum(1 for lease in self._leases.values() if lease.provider == provider)
@@ -730,6 +824,58 @@ def _hint_from(answer: Any) -> float:
     """Retry-After from a script's "paused_until now" (ms), by the policy's rule."""
     paused_until, now = (int(part) for part in _text(answer).split(" "))
     return policy.retry_after_hint(now / 1000, paused_until / 1000 if paused_until else None)
+
+
+def _layout(settings: LimiterSettings) -> str:
+    """The provider's keys, model caps and share, as CONFIGURE stores them for the scripts."""
+    layout: dict[str, Any] = {
+        "keys": [{"n": key.name, "l": _limit_arg(key.limit), "a": 1 if key.available else 0} for key in settings.keys],
+        "models": [{"p": cap.pattern, "l": _limit_arg(cap.limit)} for cap in settings.models],
+    }
+    if settings.max_share is not None:
+        layout["share"] = settings.max_share
+    return json.dumps(layout)
+
+
+def _grant_parts(grant: str) -> tuple[str, str, str | None]:
+    """A grant as the scripts write it: "lease granted_at key" (key empty without a pool)."""
+    lease_id, granted_at, *rest = grant.split(" ")
+    return lease_id, granted_at, (rest[0] or None) if rest else None
+
+
+def _pairs(raw: list[Any]) -> dict[str, str]:
+    return {_text(raw[i]): _text(raw[i + 1]) for i in range(0, len(raw), 2)}
+
+
+def _blocked(fields: dict[str, str], name: str, now: int) -> int | None:
+    value = int(fields.get(name, "0") or 0)
+    return value if value > now else None
+
+
+def _budget_status(fields: dict[str, str], now: int) -> dict[str, int | None]:
+    remaining_requests = remaining_tokens = reset_at = None
+    raw = fields.get("budget")
+    if raw:
+        remaining_requests, remaining_tokens, reset = json.loads(raw)
+        reset_at = int(reset) if reset not in ("", None) else None
+    return {"remaining_requests": remaining_requests, "remaining_tokens": remaining_tokens,
+            "reset_at": reset_at, "held_until": _blocked(fields, "held_until", now)}
+
+
+def _key_status(name: str, available: bool, fields: dict[str, str], count: int, now: int,
+                budgets: bool) -> KeyStatus:
+    auto_from = fields.get("auto_reduced_from")
+    return KeyStatus(
+        name=name,
+        available=available,
+        limit=_limit_value(fields.get("limit")),
+        configured_limit=_limit_value(fields.get("configured_limit")),
+        in_flight=count,
+        paused_until=_blocked(fields, "paused_until", now),
+        auto_reduced_from=int(auto_from) if auto_from is not None else None,
+        notice=fields.get("notice"),
+        budget=_budget_status(fields, now) if budgets else None,
+    )
 
 
 def _limit_arg(limit: int | None) -> str:

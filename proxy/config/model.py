@@ -38,6 +38,8 @@ __all__ = [
     "Duration",
     "Headers",
     "Logging",
+    "ModelLimit",
+    "PoolKey",
     "PositiveDuration",
     "Provider",
     "ProviderSettings",
@@ -312,6 +314,16 @@ _URL_SCHEMA = WithJsonSchema({"type": "string", "format": "uri", "pattern": "^ht
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
+
+def _check_share(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError("must be a share of the provider's slots: a number above 0 and at most 1, such as 0.5")
+    return float(value)
+
+
+Share = Annotated[float, BeforeValidator(_check_share), WithJsonSchema(
+    {"type": "number", "exclusiveMinimum": 0, "maximum": 1})]
+
 if TYPE_CHECKING:
     Limit: TypeAlias = int | None
     PositiveIntOrNull: TypeAlias = int | None
@@ -415,6 +427,35 @@ class Defaults(_Frozen):
 _INHERIT: Any = None
 
 
+_KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+KeyName = Annotated[str, _matching(_KEY_NAME, "a key name must start with a letter or digit and contain only "
+                                              "letters, digits, '.', '_' and '-'")]
+ModelPattern = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class PoolKey(_Frozen):
+    """One key of a provider's pool: its own slots, pause and reduction."""
+
+    name: KeyName
+    api_key_env: EnvName
+    limit: Limit = None
+
+
+class ModelLimit(_Frozen):
+    limit: Limit = None
+
+
+def _distinct_key_names(keys: tuple[PoolKey, ...]) -> tuple[PoolKey, ...]:
+    names = [key.name for key in keys]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"key name '{name}' is used twice: each key of a pool needs its own name")
+    return keys
+
+
+PoolKeys = Annotated[tuple[PoolKey, ...], AfterValidator(_distinct_key_names)]
+
+
 class Provider(_Frozen):
     """One upstream provider.
 
@@ -441,12 +482,23 @@ class Provider(_Frozen):
     queue_timeout: PositiveDuration = _INHERIT
     max_queue: Count = _INHERIT
     recovery: Recovery | None = None
+    keys: PoolKeys = ()
+    models: dict[ModelPattern, ModelLimit] = Field(default_factory=dict)
+    budgets: bool = False
+
+    @model_validator(mode="after")
+    def _one_way_to_name_the_key(self) -> Provider:
+        if self.keys and self.api_key_env is not None:
+            raise ValueError("set either api_key_env (one key) or keys (a pool), not both: a pool replaces "
+                             "api_key_env")
+        return self
 
 
 class Workspaces(_Frozen):
     model_config = ConfigDict(coerce_numbers_to_str=True)
 
     starred: tuple[NonEmptyStr, ...] = ()
+    max_share: Share | None = None
 
 
 class Headers(_Frozen):
@@ -507,6 +559,9 @@ class ProviderSettings(_Frozen):
     queue_timeout: Seconds
     max_queue: int
     recovery: Recovery | None
+    keys: tuple[PoolKey, ...] = ()
+    models: dict[str, ModelLimit] = Field(default_factory=dict)
+    budgets: bool = False
 
     @field_serializer("slot_methods", "backoff_statuses", "reduce_statuses", when_used="json")
     def _sorted(self, values: frozenset[Any]) -> list[Any]:
@@ -518,8 +573,9 @@ def _resolve(name: str, provider: Provider, defaults: Defaults) -> ProviderSetti
         key: getattr(provider if key in provider.model_fields_set else defaults, key)
         for key in Defaults.model_fields
     }
-    own = provider.model_dump(include={"upstream", "api_key_env", "auth", "tls_verify"})
-    return ProviderSettings(name=name, usage=provider.usage, **own, **inherited)
+    own = provider.model_dump(include={"upstream", "api_key_env", "auth", "tls_verify", "budgets"})
+    return ProviderSettings(name=name, usage=provider.usage, keys=provider.keys, models=provider.models,
+                            **own, **inherited)
 
 
 _PROVIDER_NAMES_SCHEMA: dict[str, Any] = {
@@ -586,6 +642,9 @@ class Config(_Frozen):
         for name, settings in self._settings.items():
             if environ is not None and settings.api_key_env and not environ.get(settings.api_key_env):
                 found.append(_missing_key_warning(f"providers.{name}.api_key_env", settings.api_key_env))
+            if environ is not None:
+                found.extend(_missing_pool_key_warning(f"providers.{name}.keys[{index}]", key)
+                             for index, key in enumerate(settings.keys) if not environ.get(key.api_key_env))
             if not settings.tls_verify:
                 found.append(f"providers.{name}.tls_verify is false: the upstream's TLS certificate is not "
                              "checked (meant for self-signed test setups only)")
@@ -623,10 +682,21 @@ def _missing_key_warning(path: str, name: str) -> str:
             f"credentials until it is set")
 
 
+def _missing_pool_key_warning(path: str, key: PoolKey) -> str:
+    shown = env_name_for_display(key.api_key_env)
+    if looks_like_a_key(key.api_key_env):
+        return (f"{path}.api_key_env is '{shown}', which looks like a key value, not a variable name: put the "
+                "key in an environment variable and name that variable here")
+    return (f"{path}.api_key_env names ${shown}, which is unset or empty: key '{key.name}' is left out of the "
+            "pool until it is set (with no key left, requests carry the client's own credentials)")
+
+
 def _masked_provider(settings: ProviderSettings) -> dict[str, Any]:
     data = settings.model_dump(mode="json", exclude={"name"})
     if data["api_key_env"]:
         data["api_key_env"] = env_name_for_display(data["api_key_env"])
+    for key in data["keys"]:
+        key["api_key_env"] = env_name_for_display(key["api_key_env"])
     if data["usage"] is not None:
         data["usage"]["headers"] = {key: _MASK for key in data["usage"]["headers"]}
     return data

@@ -1,6 +1,7 @@
 """The pure limiter core: no aiohttp, no I/O; time and timers come from an injected Clock."""
 
 from .clock import Clock, FakeClock, LoopClock, Timer
+from .level import Budget
 from .policy import (
     MAX_LIMIT,
     QUEUE_LISTED,
@@ -11,8 +12,12 @@ from .policy import (
 )
 from .provider import (
     AdmissionGate,
+    KeySettings,
+    KeyStatus,
     Lease,
     LimiterSettings,
+    ModelCap,
+    ModelStatus,
     ProviderLimiter,
     ProviderStatus,
     SlotLease,
@@ -24,12 +29,17 @@ __all__ = [
     "MAX_LIMIT",
     "QUEUE_LISTED",
     "AdmissionGate",
+    "Budget",
     "Clock",
     "FakeClock",
+    "KeySettings",
+    "KeyStatus",
     "Lease",
     "LimitKey",
     "LimiterSettings",
     "LoopClock",
+    "ModelCap",
+    "ModelStatus",
     "Priority",
     "ProviderLimiter",
     "ProviderStatus",

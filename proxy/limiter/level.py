@@ -1,10 +1,14 @@
 """One limit: the slots counted against one limit key, and that key's pause, reduction and recovery.
 
 A request takes one slot at every level that applies to it, at once or not at
-all (the provider's limiter decides that, and holds the one queue). Today a
-provider has one level, itself. A key of a pool or a model cap is another level
-with these same rules, which come from the policy; nothing here is written for
-"the provider" in particular.
+all (the provider's limiter decides that, and holds the one queue): the
+provider's own limit, the model cap its model matches, one key of the pool.
+Each is a level with these same rules, which come from the policy; nothing here
+is written for "the provider" in particular.
+
+A budget hold (the provider announced that a key's request window is spent) is
+not a backoff: it stops new grants until the window resets, with no pause,
+reduction or notice.
 
 Pure: time and timers come from the injected clock; the limiter that owns a level
 is told through ``on_room`` (a slot may be free now: grant waiters) and
@@ -16,19 +20,44 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from . import policy
 from .clock import Clock, Timer
 from .policy import LimitKey, validate_limit
 
-__all__ = ["LimitLevel"]
+__all__ = ["Budget", "LimitLevel"]
 
 log = logging.getLogger("slotproxy.limiter")
 
 
 def _optional_int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """What the provider's rate-limit headers last said about one key's windows (times: epoch seconds)."""
+
+    remaining_requests: int | None = None
+    remaining_tokens: int | None = None
+    reset_at: float | None = None
+    """The reset of the window that holds the key, else the earliest one announced."""
+    held_until: float | None = None
+    """No new request before this (its request window is spent, or its unified status is rejected)."""
+    requests_reset: float | None = None
+    """When the request window resets: the requests granted after this report count against
+    ``remaining_requests`` until then, so the window is not overrun before the next answer says so."""
+
+    def to_dict(self, held: float | None) -> dict[str, int | None]:
+        """As status shows it, with the hold in force now (``held``), which may outlast this report's."""
+        return {
+            "remaining_requests": self.remaining_requests,
+            "remaining_tokens": self.remaining_tokens,
+            "reset_at": None if self.reset_at is None else round(self.reset_at * 1000),
+            "held_until": None if held is None else round(held * 1000),
+        }
 
 
 class LimitLevel:
@@ -52,6 +81,11 @@ class LimitLevel:
         self._notice: str | None = None
         self._recovery_timer: Timer | None = None
         self._quiet_since: float | None = None
+        self._held_until: float | None = None
+        self._hold_timer: Timer | None = None
+        self.budget: Budget | None = None
+        self._requests_left: int | None = None
+        self._requests_reset = 0.0
         self.counters = {"backoffs": 0, "auto_reductions": 0}
 
     # ----- slots -----------------------------------------------------------------
@@ -85,12 +119,33 @@ class LimitLevel:
     def notice(self) -> str | None:
         return self._notice
 
+    @property
+    def held_until(self) -> float | None:
+        """The end of a budget hold, while one lasts."""
+        return self._held_until
+
     def has_room(self) -> bool:
         limit = self._limit
-        return self._paused_until is None and (limit is None or self._held + self._cooling < limit)
+        return self._paused_until is None and self._held_until is None and (
+            limit is None or self._held + self._cooling < limit)
+
+    def free_slots(self) -> int | None:
+        """Slots free now (None: no limit)."""
+        limit = self._limit
+        return None if limit is None else max(0, limit - self._held - self._cooling)
+
+    def available_at(self) -> float | None:
+        """When a pause or a budget hold that blocks this level ends (None: neither blocks it)."""
+        ends = [t for t in (self._paused_until, self._held_until) if t is not None]
+        return max(ends) if ends else None
 
     def take(self) -> None:
         self._held += 1
+        if self._requests_left is not None:
+            self._requests_left -= 1
+            if self._requests_left <= 0:
+                self._requests_left = None
+                self._hold_until(self._requests_reset)
 
     def give_back(self) -> bool:
         """A slot is released; True when it is free at once (no release cooldown to sit out)."""
@@ -183,6 +238,33 @@ class LimitLevel:
         self._on_room()
         self._on_change()
 
+    # ----- budgets ---------------------------------------------------------------
+
+    def report_budget(self, budget: Budget) -> None:
+        """The provider's latest word on this level's windows; a ``held_until`` still ahead holds it."""
+        self.budget = budget
+        reset = budget.requests_reset
+        if budget.remaining_requests is not None and reset is not None and reset > self._clock.time():
+            self._requests_left, self._requests_reset = budget.remaining_requests, reset
+        if budget.held_until is not None:
+            self._hold_until(budget.held_until)
+
+    def _hold_until(self, until: float) -> None:
+        now = self._clock.time()
+        if until <= now or (self._held_until is not None and until <= self._held_until):
+            return
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+        self._held_until = until
+        self._hold_timer = self._clock.call_later(until - now, self._end_hold)
+        log.info("%s held for %.1fs: its budget is spent until the provider's reset", self._label(), until - now)
+
+    def _end_hold(self) -> None:
+        self._held_until = None
+        self._hold_timer = None
+        self._requests_left = None  # a new window: unknown until the next answer
+        self._on_room()
+
     # ----- control ---------------------------------------------------------------
 
     def set_limit(self, limit: int | None) -> None:
@@ -239,4 +321,10 @@ class LimitLevel:
         self._on_room()
 
     def _label(self) -> str:
-        return f"provider={self.key}"
+        key = self.key
+        label = f"provider={key.provider}"
+        if key.key is not None:
+            label += f" key={key.key}"
+        elif key.model is not None:
+            label += f" model={key.model}"
+        return label

@@ -14,17 +14,26 @@ rule), never read here.
 
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 __all__ = [
     "CLIENT_DEADLINE_MARGIN",
     "COUNTERS",
     "MAX_LIMIT",
     "QUEUE_LISTED",
+    "STICKY_CONVERSATIONS",
     "LimitKey",
+    "StickyKeys",
     "auto_reduce_notice",
+    "choose_key",
     "default_pause",
+    "model_pattern",
     "pause_length",
+    "pool_paused_until",
     "prompt_ms",
     "queue_key",
     "queue_timeout_message",
@@ -34,6 +43,7 @@ __all__ = [
     "reduced_limit",
     "retry_after_hint",
     "same_burst",
+    "share_cap",
     "validate_limit",
 ]
 
@@ -55,14 +65,24 @@ _PROMPT_MS_MAX = (1 << _PROMPT_MS_BITS) - 1
 _UNSTARRED = 1 << (_PROMPT_MS_BITS + _ARRIVAL_BITS)
 
 
+STICKY_CONVERSATIONS = 10_000
+"""Conversations whose last key is remembered (the least recently used is forgotten first)."""
+
+
 @dataclass(frozen=True, slots=True)
 class LimitKey:
-    """What one slot is counted against. Today a provider; a key of its pool or a model cap later,
-    each a level of its own, so a rule written for a key applies at every level."""
+    """What one slot is counted against: a provider, one key of its pool, or one of its model caps.
+    Each is a level of its own, so a rule written for one applies at every level."""
 
     provider: str
+    key: str | None = None
+    model: str | None = None
 
     def __str__(self) -> str:
+        if self.key is not None:
+            return f"{self.provider} key={self.key}"
+        if self.model is not None:
+            return f"{self.provider} model={self.model}"
         return self.provider
 
 
@@ -96,9 +116,10 @@ def default_pause(reduces: bool, default_pause: float, overload_pause: float) ->
 
 
 def same_burst(now: float, paused_until: float | None, sent_at: float | None, last_reduction_at: float) -> bool:
-    """A backoff belongs to the burst that already lowered the limit when the limit is paused,
-    or when its request was granted before the latest reduction: it extends the pause only."""
-    if paused_until is not None and paused_until > now:
+    """A backoff belongs to the burst that already lowered the limit when the limit is paused (a pause
+    ending this very instant still counts: nothing was granted since it began), or when its request was
+    granted before the latest reduction: it extends the pause only."""
+    if paused_until is not None and paused_until >= now:
         return True
     return sent_at is not None and sent_at <= last_reduction_at
 
@@ -142,6 +163,86 @@ def queue_timeout_message(provider: str, queue_timeout: float | None, client_bou
                 f"less {CLIENT_DEADLINE_MARGIN:g}s); answered before it gives up, retry later")
     return (f"waited longer than queue_timeout ({queue_timeout or 0:g}s) for a slot on provider '{provider}'; "
             "retry later")
+
+
+def choose_key(candidates: Sequence[tuple[str, int | None]], preferred: str | None) -> str | None:
+    """Which key of a pool a request takes. ``candidates`` are the keys that may take one now (not paused,
+    not held for their budget, a slot free), in config order, each with its free slots (None: no limit).
+
+    The conversation's previous key if it is one of them (the provider's prompt cache is warm there),
+    else the one with the most free slots, ties in config order; None when no key may take one."""
+    best: str | None = None
+    best_free = -1
+    for name, free in candidates:
+        if name == preferred:
+            return name
+        room = MAX_LIMIT + 1 if free is None else free
+        if room > best_free:
+            best, best_free = name, room
+    return best
+
+
+def pool_paused_until(own: float | None, key_ends: Sequence[float | None]) -> float | None:
+    """When a provider with a pool may grant again: its own pause, else, while every available key is
+    paused or held (``key_ends``: when each key's pause or hold ends, None for a key free of both), the
+    earliest end among them; None when it is not paused."""
+    if own is not None or not key_ends:
+        return own
+    earliest: float | None = None
+    for end in key_ends:
+        if end is None:
+            return None
+        if earliest is None or end < earliest:
+            earliest = end
+    return earliest
+
+
+def model_pattern(model: str | None, patterns: Sequence[str]) -> str | None:
+    """The first model-cap pattern (shell-style, case-sensitive) a request's model matches, if any."""
+    if model is None:
+        return None
+    for pattern in patterns:
+        if fnmatchcase(model, pattern):
+            return pattern
+    return None
+
+
+def share_cap(max_share: float | None, capacity: int | None) -> int | None:
+    """The most slots one workspace may hold while another waits: ``ceil(max_share × capacity)``,
+    at least one; None when there is no share or no finite capacity to take it of."""
+    if max_share is None or capacity is None:
+        return None
+    return max(1, math.ceil(max_share * capacity - 1e-9))
+
+
+class StickyKeys:
+    """The key each recent conversation last took, the least recently used forgotten first."""
+
+    __slots__ = ("_keys", "_size")
+
+    def __init__(self, size: int = STICKY_CONVERSATIONS) -> None:
+        self._keys: OrderedDict[str, str] = OrderedDict()
+        self._size = size
+
+    def get(self, conversation: str | None) -> str | None:
+        if conversation is None:
+            return None
+        key = self._keys.get(conversation)
+        if key is not None:
+            self._keys.move_to_end(conversation)
+        return key
+
+    def remember(self, conversation: str | None, key: str | None) -> None:
+        if conversation is None or key is None:
+            return
+        keys = self._keys
+        if keys.get(conversation) == key:
+            keys.move_to_end(conversation)
+            return
+        keys[conversation] = key
+        keys.move_to_end(conversation)
+        if len(keys) > self._size:
+            keys.popitem(last=False)
 
 
 def queue_key(starred: bool, prompt_started_at: float, arrival: int) -> int:

@@ -4,28 +4,40 @@ This is the pure core. It decides who gets a slot and when; it never awaits. The
 shell (a backend) parks callers on futures and passes ``on_grant`` callbacks in.
 Time comes from an injected :class:`~proxy.limiter.clock.Clock`, so every decision
 here can be replayed on fake time.
+
+A slot is taken at every level that applies, at once or not at all: the
+provider's limit, the model cap the request's model matches, and one key of the
+pool. The queue is one priority order, kept as one heap per *class* of waiter
+(its model cap, and its workspace when ``max_share`` is set): a waiter whose cap
+is full never holds up a waiter of another class behind it. Each grant looks at
+the head of each class only, so it costs O(classes + log n).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from ..errors import ProxyError, QueueFull, QueueTimeout
+from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit
 from . import policy
 from .clock import Clock, Timer
 from .deadlines import Deadlines
-from .level import LimitLevel
-from .policy import QUEUE_LISTED, LimitKey
-from .queue import Priority, Waiter, WaiterQueue
+from .level import Budget, LimitLevel
+from .policy import QUEUE_LISTED, LimitKey, StickyKeys
+from .queue import Priority, Waiter, WaiterClass, WaiterQueue
 
 __all__ = [
     "AdmissionGate",
+    "KeySettings",
+    "KeyStatus",
     "Lease",
     "LimiterSettings",
+    "ModelCap",
+    "ModelStatus",
     "ProviderLimiter",
     "ProviderStatus",
     "SlotLease",
@@ -33,6 +45,21 @@ __all__ = [
 ]
 
 log = logging.getLogger("slotproxy.limiter")
+
+@dataclass(frozen=True, slots=True)
+class KeySettings:
+    """One key of a provider's pool. ``available`` is False when its variable is unset: it is never chosen."""
+
+    name: str
+    limit: int | None = None
+    available: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCap:
+    pattern: str
+    limit: int | None = None
+
 
 @dataclass(frozen=True, slots=True)
 class LimiterSettings:
@@ -44,6 +71,23 @@ class LimiterSettings:
     queue_timeout: float | None = 600.0
     max_queue: int = 10_000
     recovery_after: float | None = None
+    keys: tuple[KeySettings, ...] = ()
+    models: tuple[ModelCap, ...] = ()
+    max_share: float | None = None
+    budgets: bool = False
+
+    def pool(self) -> tuple[KeySettings, ...]:
+        """The keys that may be chosen; none available means no pool (the provider is its one key)."""
+        return tuple(key for key in self.keys if key.available)
+
+    def classed(self) -> bool:
+        """Whether waiters are kept apart by model cap and workspace (else one heap does)."""
+        return bool(self.models) or self.max_share is not None
+
+    def level_settings(self, limit: int | None) -> LimiterSettings:
+        """The settings of a key or model level: its own limit; pause and recovery as the provider's;
+        no release cooldown (that is the provider's alone)."""
+        return replace(self, limit=limit, release_cooldown=0.0, keys=(), models=())
 
 
 class AdmissionGate(Protocol):
@@ -70,6 +114,8 @@ class SlotLease(Protocol):
     queue_wait: float
     reclaimed: bool
     on_reclaim: Callable[[], None] | None
+    key: str | None
+    """The pool key this slot was taken on (None without a pool): the relay sends it upstream."""
 
     def release(self) -> None: ...
 
@@ -80,10 +126,12 @@ class Lease:
     """A held slot. ``release()`` may be called any number of times; only the first counts."""
 
     __slots__ = (
+        "_levels",
         "_limiter",
         "_watchdog",
         "granted_at",
         "headers_at",
+        "key",
         "on_reclaim",
         "priority",
         "queue_wait",
@@ -105,6 +153,10 @@ class Lease:
         self.released = False
         self.reclaimed = False
         self._watchdog: Timer | None = None
+        self.key: str | None = None
+        self._levels: tuple[LimitLevel, ...] = ()
+        """The key and model levels it holds a slot at, beside the provider's (a reload may drop them
+        from the config; the slot is still given back to them)."""
 
     def release(self) -> None:
         self._limiter._release(self)
@@ -121,6 +173,46 @@ class WaiterStatus:
     prompt_started_at: int
     waited_ms: int
     conversation: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyStatus:
+    name: str
+    available: bool
+    limit: int | None
+    configured_limit: int | None
+    in_flight: int
+    paused_until: int | None
+    auto_reduced_from: int | None
+    notice: str | None
+    budget: dict[str, int | None] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "available": self.available,
+            "limit": self.limit,
+            "configured_limit": self.configured_limit,
+            "in_flight": self.in_flight,
+            "paused": self.paused_until is not None,
+            "paused_until": self.paused_until,
+            "auto_reduced": self.auto_reduced_from is not None,
+            "auto_reduced_from": self.auto_reduced_from,
+            "notice": self.notice,
+            **({} if self.budget is None else {"budget": self.budget}),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStatus:
+    pattern: str
+    limit: int | None
+    configured_limit: int | None
+    in_flight: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pattern": self.pattern, "limit": self.limit, "configured_limit": self.configured_limit,
+                "in_flight": self.in_flight}
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +235,10 @@ class ProviderStatus:
     usage: dict[str, object] | None = None
     local_in_flight: int | None = None
     """Slots held by this replica, where slots are shared by several (the Redis backend)."""
+    keys: tuple[KeyStatus, ...] = ()
+    models: tuple[ModelStatus, ...] = ()
+    budget: dict[str, int | None] | None = None
+    """With ``budgets`` and no pool, the provider's own budget (it is its one key)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -172,6 +268,9 @@ class ProviderStatus:
                 "queue_full": self.counters.get("queue_full", 0),
                 "queue_timeout": self.counters.get("queue_timeouts", 0),
             },
+            "keys": [key.to_dict() for key in self.keys],
+            "models": [model.to_dict() for model in self.models],
+            **({} if self.budget is None else {"budget": self.budget}),
             **({} if self.local_in_flight is None else {"local_in_flight": self.local_in_flight}),
         }
 
@@ -193,17 +292,43 @@ class ProviderLimiter:
         self._clock = clock
         self._settings = settings
         self._starred = frozenset(starred)
-        self._queue = WaiterQueue()
+        self._classes: dict[WaiterClass, WaiterQueue] = {}
+        self._queued = 0
         self._deadlines: Deadlines[Waiter] = Deadlines(clock, self._expire)
         self._arrivals = itertools.count()
         self._dispatching = False
         self._active: set[Lease] = set()
+        self._by_workspace: dict[str, int] = {}
+        self._sticky = StickyKeys()
         self.gate: AdmissionGate | None = None
         self.on_change: Callable[[], None] | None = None
         self.counters = {"granted": 0, "queue_full": 0, "queue_timeouts": 0, "reclaims": 0}
         self.level = LimitLevel(LimitKey(name), settings, clock, on_room=self._dispatch, on_change=self._changed)
-        """The provider's own limit. Every slot is counted here, and at each of ``_more_levels``."""
-        self._more_levels: tuple[LimitLevel, ...] = ()
+        """The provider's own limit. Every slot is counted here, and at its key and model levels."""
+        self._keys: dict[str, LimitLevel] = {}
+        self._pool: tuple[LimitLevel, ...] = ()
+        self._models: dict[str, LimitLevel] = {}
+        self._patterns: tuple[str, ...] = ()
+        self._build_levels(settings)
+
+    def _build_levels(self, settings: LimiterSettings) -> None:
+        """Key and model levels for these settings; a level that stays keeps its state (a changed YAML
+        limit is a manual change, as at the provider's level)."""
+        def level_for(old: dict[str, LimitLevel], name: str, limit: int | None, key: LimitKey) -> LimitLevel:
+            level = old.get(name)
+            if level is None:
+                return LimitLevel(key, settings.level_settings(limit), self._clock,
+                                  on_room=self._dispatch, on_change=self._changed)
+            level.apply_settings(settings.level_settings(limit))
+            return level
+
+        self._keys = {key.name: level_for(self._keys, key.name, key.limit, LimitKey(self.name, key=key.name))
+                      for key in settings.keys}
+        self._pool = tuple(self._keys[key.name] for key in settings.pool())
+        self._models = {cap.pattern: level_for(self._models, cap.pattern, cap.limit,
+                                               LimitKey(self.name, model=cap.pattern))
+                        for cap in settings.models}
+        self._patterns = tuple(self._models)
 
     # ----- admission -------------------------------------------------------------
 
@@ -211,14 +336,21 @@ class ProviderLimiter:
         """An arrival number; a retried request keeps its first one, and so its place."""
         return next(self._arrivals)
 
-    def try_acquire(self, priority: Priority, seq: int | None = None) -> Lease | None:
+    def try_acquire(self, priority: Priority, seq: int | None = None, model: str | None = None) -> Lease | None:
         """The fast path: a slot now, or None when the caller must queue.
 
-        Nobody may overtake a waiter, so a non-empty queue always means None.
+        Nobody may overtake a waiter, so a non-empty queue always means None (``enqueue``
+        then grants at once whoever may go, a request for a model with room among them).
         """
-        if len(self._queue) or not self._may_grant():
+        if self._queued or not self._provider_room():
             return None
-        return self._grant(priority, self.next_arrival() if seq is None else seq, queue_wait=0.0)
+        pattern = policy.model_pattern(model, self._patterns) if self._patterns else None
+        if pattern is not None and not self._models[pattern].has_room():
+            return None
+        key = self._choose_key(priority.conversation) if self._pool else None
+        if self._pool and key is None:
+            return None
+        return self._grant(priority, self.next_arrival() if seq is None else seq, 0.0, pattern, key)
 
     def enqueue(
         self,
@@ -227,17 +359,19 @@ class ProviderLimiter:
         on_reject: Callable[[ProxyError], None] | None = None,
         seq: int | None = None,
         client_wait: float | None = None,
+        model: str | None = None,
     ) -> Waiter:
         """Queue a request; ``on_grant(lease)`` is called when its turn comes.
 
         ``on_reject(error)`` is called instead if it times out (QueueTimeout: after
         queue_timeout, or ``client_wait`` when that is shorter) or the queue is shed
         (shutdown). Raises QueueFull when ``max_queue`` waiters are already queued,
-        and QueueTimeout when ``client_wait`` leaves it no time to wait at all.
+        ``client_wait`` that leaves no time to wait at all times out at once, unless the
+        request is granted at once.
         """
-        if len(self._queue) >= self._settings.max_queue:
+        if self._queued >= self._settings.max_queue:
             self.counters["queue_full"] += 1
-            log.warning("provider=%s queue full (%d waiting): request refused", self.name, len(self._queue))
+            log.warning("provider=%s queue full (%d waiting): request refused", self.name, self._queued)
             raise QueueFull(
                 f"slotproxy queue for provider '{self.name}' is full ({self._settings.max_queue} waiting); retry later",
                 retry_after=self._retry_after_hint(),
@@ -247,10 +381,7 @@ class ProviderLimiter:
             limit, client_bound = self._settings.queue_timeout, False
         else:
             limit, client_bound = policy.queue_wait_limit(self._settings.queue_timeout, client_wait)
-        if limit is not None and limit <= 0:
-            self.counters["queue_timeouts"] += 1
-            raise QueueTimeout(policy.queue_timeout_message(self.name, self._settings.queue_timeout, client_bound),
-                               retry_after=self._retry_after_hint())
+        pattern = policy.model_pattern(model, self._patterns) if self._patterns else None
         waiter = Waiter(
             priority=priority,
             seq=self.next_arrival() if seq is None else seq,
@@ -259,23 +390,58 @@ class ProviderLimiter:
             on_reject=on_reject,
             starred=priority.starred or priority.workspace in self._starred,
             client_bound=client_bound,
+            pattern=pattern,
         )
-        self._queue.push(waiter)
-        if limit is not None:
+        self._push(waiter)
+        if limit is not None and limit > 0:
             self._deadlines.add(waiter, now + limit)
         self._dispatch()
-        if waiter.queued and self.gate is not None:
-            self.gate.request_poll()
+        if waiter.queued:
+            if limit is not None and limit <= 0:
+                self._expire(waiter)
+            elif self.gate is not None:
+                self.gate.request_poll()
         return waiter
+
+    def _class_of(self, waiter: Waiter) -> WaiterClass:
+        if not self._settings.classed():
+            return None
+        return (waiter.pattern, waiter.priority.workspace if self._settings.max_share is not None else None)
+
+    def _push(self, waiter: Waiter) -> None:
+        waiter.waiter_class = self._class_of(waiter)
+        queue = self._classes.get(waiter.waiter_class)
+        if queue is None:
+            queue = self._classes[waiter.waiter_class] = WaiterQueue()
+        queue.push(waiter)
+        self._queued += 1
+
+    def _take_out(self, waiter: Waiter) -> bool:
+        queue = self._classes.get(waiter.waiter_class)
+        if queue is None or not queue.remove(waiter):
+            return False
+        self._queued -= 1
+        if not len(queue):
+            del self._classes[waiter.waiter_class]
+        return True
+
+    def _take_head(self, waiter: Waiter) -> None:
+        """The chosen waiter is the head of its class: popped off its heap, not merely marked (a retry
+        re-queues with the same place, and must not meet its old entry there)."""
+        queue = self._classes[waiter.waiter_class]
+        queue.pop()
+        self._queued -= 1
+        if not len(queue):
+            del self._classes[waiter.waiter_class]
 
     def cancel(self, waiter: Waiter) -> None:
         """The waiter's client left: take it out of the queue; it is never granted."""
-        if self._queue.remove(waiter):
+        if self._take_out(waiter):
             waiter.forget_callbacks()
-            self._deadlines.settle(len(self._queue))
+            self._deadlines.settle(self._queued)
 
     def _expire(self, waiter: Waiter) -> None:
-        if not self._queue.remove(waiter):
+        if not self._take_out(waiter):
             return
         on_reject = waiter.on_reject
         waiter.forget_callbacks()
@@ -293,16 +459,18 @@ class ProviderLimiter:
         """Reject every waiter (graceful shutdown); returns how many there were."""
         count = 0
         self._deadlines.clear()
-        while (waiter := self._queue.pop()) is not None:
-            count += 1
-            on_reject = waiter.on_reject
-            waiter.forget_callbacks()
-            if on_reject is not None:
-                on_reject(error)
+        classes, self._classes, self._queued = self._classes, {}, 0
+        for queue in classes.values():
+            while (waiter := queue.pop()) is not None:
+                count += 1
+                on_reject = waiter.on_reject
+                waiter.forget_callbacks()
+                if on_reject is not None:
+                    on_reject(error)
         return count
 
     def _retry_after_hint(self) -> float:
-        return self.level.retry_after_hint()
+        return policy.retry_after_hint(self._clock.time(), self._paused_until())
 
     # ----- granting --------------------------------------------------------------
 
@@ -316,26 +484,82 @@ class ProviderLimiter:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        return self._queued
 
     def paused(self) -> bool:
-        return self.level.paused_until is not None
+        return self._paused_until() is not None
 
-    def _may_grant(self) -> bool:
-        """Room at every level at once, and the usage gate (if any) agrees."""
-        if not self.level.has_room():
-            return False
-        for level in self._more_levels:
-            if not level.has_room():
-                return False
-        return self.gate is None or self.gate.admits()
+    def _paused_until(self) -> float | None:
+        """The provider's pause; with a pool, also the earliest end while every key is paused or held."""
+        return policy.pool_paused_until(self.level.paused_until, [level.available_at() for level in self._pool])
 
-    def _grant(self, priority: Priority, seq: int, queue_wait: float) -> Lease:
+    def _provider_room(self) -> bool:
+        return self.level.has_room() and (self.gate is None or self.gate.admits())
+
+    def _choose_key(self, conversation: str | None) -> str | None:
+        candidates = [(level.key.key or "", level.free_slots()) for level in self._pool if level.has_room()]
+        return policy.choose_key(candidates, self._sticky.get(conversation))
+
+    def _capacity(self) -> int | None:
+        """The slots a share is taken of: the provider's limit, else its keys' together."""
+        if self.level.limit is not None or not self._pool:
+            return self.level.limit
+        total = 0
+        for level in self._pool:
+            if level.limit is None:
+                return None
+            total += level.limit
+        return total
+
+    def _next_grant(self) -> tuple[Waiter, str | None] | None:
+        """The first waiter, in queue order over the class heads, that every level it needs has room for.
+
+        With ``max_share``, a waiter whose workspace holds its share is passed over while one of another
+        workspace can go; when none can, it goes (the limit is never left idle).
+        """
+        if not self._provider_room():
+            return None
+        if self._pool and not any(level.has_room() for level in self._pool):
+            return None
+        heads = [queue.head() for queue in self._classes.values()]
+        if len(heads) > 1:
+            heads.sort(key=_head_order)
+        cap = policy.share_cap(self._settings.max_share, self._capacity())
+        over_share: Waiter | None = None
+        for _, waiter in heads:
+            pattern = waiter.pattern
+            if pattern is not None:
+                model = self._models.get(pattern)
+                if model is not None and not model.has_room():
+                    continue
+            if cap is not None and self._by_workspace.get(waiter.priority.workspace, 0) >= cap:
+                if over_share is None:
+                    over_share = waiter
+                continue
+            break
+        else:
+            if over_share is None:
+                return None
+            waiter = over_share
+        return waiter, self._choose_key(waiter.priority.conversation) if self._pool else None
+
+    def _grant(self, priority: Priority, seq: int, queue_wait: float, pattern: str | None,
+               key: str | None) -> Lease:
         now = self._clock.time()
         lease = Lease(self, priority, seq, granted_at=now, queue_wait=queue_wait)
         self.level.take()
-        for level in self._more_levels:
+        levels: tuple[LimitLevel, ...] = ()
+        if key is not None:
+            lease.key = key
+            levels = (self._keys[key],)
+            self._sticky.remember(priority.conversation, key)
+        if pattern is not None and (model := self._models.get(pattern)) is not None:
+            levels += (model,)
+        for level in levels:
             level.take()
+        lease._levels = levels
+        workspace = priority.workspace
+        self._by_workspace[workspace] = self._by_workspace.get(workspace, 0) + 1
         self._active.add(lease)
         self.counters["granted"] += 1
         if self.gate is not None:
@@ -355,18 +579,21 @@ class ProviderLimiter:
             return
         self._dispatching = True
         try:
-            while len(self._queue) and self._may_grant():
-                waiter = self._queue.pop()
-                if waiter is None:
+            while self._queued:
+                chosen = self._next_grant()
+                if chosen is None:
                     break
+                waiter, key = chosen
+                self._take_head(waiter)
                 on_grant = waiter.on_grant
                 waiter.forget_callbacks()
-                lease = self._grant(waiter.priority, waiter.seq, queue_wait=self._clock.time() - waiter.enqueued_at)
+                lease = self._grant(waiter.priority, waiter.seq, self._clock.time() - waiter.enqueued_at,
+                                    waiter.pattern, key)
                 if on_grant is not None:
                     on_grant(lease)
         finally:
             self._dispatching = False
-            self._deadlines.settle(len(self._queue))
+            self._deadlines.settle(self._queued)
 
     def dispatch(self) -> None:
         """Grant whoever may go now (after a usage poll answered, say)."""
@@ -405,32 +632,64 @@ class ProviderLimiter:
 
     def _free_slot(self, lease: Lease) -> None:
         self._active.discard(lease)
+        workspace = lease.priority.workspace
+        held = self._by_workspace[workspace] - 1
+        if held:
+            self._by_workspace[workspace] = held
+        else:
+            del self._by_workspace[workspace]
         if self.gate is not None:
             self.gate.request_poll()
         free_now = self.level.give_back()
-        for level in self._more_levels:
-            free_now &= level.give_back()
+        for level in lease._levels:
+            level.give_back()
         if free_now:
             self._dispatch()
 
-    # ----- backoff ---------------------------------------------------------------
+    # ----- backoff and budgets ---------------------------------------------------------
 
     def report_backoff(self, cause: str, wait: float | None = None, *, sent_at: float | None = None,
-                       reduce: bool = True) -> None:
-        """Upstream said "slow down": the level that answered pauses, and lowers its limit once per burst
-        when ``reduce`` (a status in ``reduce_statuses``; an overload only pauses).
+                       reduce: bool = True, key: str | None = None) -> None:
+        """Upstream said "slow down": the level that answered (the key it was sent with, else the provider)
+        pauses, and lowers its limit once per burst when ``reduce`` (a status in ``reduce_statuses``; an
+        overload only pauses).
 
         ``sent_at`` is when the reporting request was granted. A request granted
         before the latest reduction belongs to the burst that caused it, so its
         429 extends the pause but does not lower the limit again.
         """
-        self.level.report_backoff(cause, wait, sent_at=sent_at, reduce=reduce)
+        level = self._level_for_key(key)
+        if level is not None:
+            level.report_backoff(cause, wait, sent_at=sent_at, reduce=reduce)
+
+    def report_budget(self, budget: Budget, key: str | None = None) -> None:
+        """The provider's rate-limit headers on an answer sent with ``key`` (None: the provider's own)."""
+        level = self._level_for_key(key)
+        if level is not None:
+            level.report_budget(budget)
+
+    def _level_for_key(self, key: str | None) -> LimitLevel | None:
+        """A key's level; a key the config has dropped since the request was sent has none."""
+        return self.level if key is None else self._keys.get(key)
 
     # ----- control ---------------------------------------------------------------
 
     def set_limit(self, limit: int | None) -> None:
         """A manual limit (admin API or a YAML edit): applies at once and clears any auto-reduction."""
         self.level.set_limit(limit)
+
+    def set_key_limit(self, key: str, limit: int | None) -> None:
+        self._named(self._keys, key, "key").set_limit(limit)
+
+    def set_model_limit(self, pattern: str, limit: int | None) -> None:
+        self._named(self._models, pattern, "model cap").set_limit(limit)
+
+    def _named(self, levels: dict[str, LimitLevel], name: str, what: str) -> LimitLevel:
+        level = levels.get(name)
+        if level is None:
+            raise UnknownLimit(f"provider '{self.name}' has no {what} '{name}' (configured: "
+                               f"{', '.join(levels) or 'none'})")
+        return level
 
     def set_cooldown(self, seconds: float) -> None:
         self.level.set_cooldown(seconds)
@@ -440,22 +699,46 @@ class ProviderLimiter:
         if workspaces == self._starred:
             return
         self._starred = frozenset(workspaces)
-        self._queue.restar(self._starred)
+        for queue in self._classes.values():
+            queue.restar(self._starred)
 
     def apply_settings(self, settings: LimiterSettings) -> None:
         """A config reload. A changed YAML limit or cooldown counts as a manual change.
 
-        A changed queue_timeout applies to requests queued from now on.
+        A changed queue_timeout applies to requests queued from now on. A waiter keeps the
+        model cap it matched when it came; a cap the reload removed no longer holds it.
         """
-        self._settings = settings
+        old, self._settings = self._settings, settings
+        self._build_levels(settings)
+        if (old.classed(), old.max_share is None) != (settings.classed(), settings.max_share is None):
+            self._reclassify()
         self.level.apply_settings(settings)
 
+    def _reclassify(self) -> None:
+        classes, self._classes, self._queued = self._classes, {}, 0
+        for queue in classes.values():
+            for waiter in list(queue.in_order()):
+                queue.remove(waiter)
+                waiter.queued = True
+                self._push(waiter)
+
     def export_state(self) -> dict[str, Any]:
-        return self.level.export_state()
+        state = self.level.export_state()
+        if self._keys:
+            state["keys"] = {name: level.export_state() for name, level in self._keys.items()}
+        if self._models:
+            state["models"] = {name: level.export_state() for name, level in self._models.items()}
+        return state
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """Apply persisted runtime state over the config (see ``LimitLevel.restore_state``)."""
         self.level.restore_state(state)
+        for field_name, levels in (("keys", self._keys), ("models", self._models)):
+            saved = state.get(field_name)
+            if isinstance(saved, dict):
+                for name, entry in saved.items():
+                    if name in levels and isinstance(entry, dict):
+                        levels[name].restore_state(entry)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -476,16 +759,22 @@ class ProviderLimiter:
                     waited_ms=_ms(now - w.enqueued_at),
                     conversation=w.priority.conversation,
                 )
-                for w in self._queue.in_order(QUEUE_LISTED)
+                for w in self._in_order(QUEUE_LISTED)
             )
         level = self.level
-        paused_until = level.paused_until
+        paused_until = self._paused_until()
+        counters = {**self.counters, **level.counters}
+        for sub in (*self._keys.values(), *self._models.values()):
+            for name, count in sub.counters.items():
+                counters[name] += count
+        budgets = self._settings.budgets
+        pool = set(self._pool)
         return ProviderStatus(
             provider=self.name,
             limit=level.limit,
             configured_limit=level.configured_limit,
             in_flight=level.in_flight,
-            queued=len(self._queue),
+            queued=self._queued,
             paused=paused_until is not None,
             paused_until=None if paused_until is None else _ms(paused_until),
             cooldown_ms=_ms(level.cooldown),
@@ -493,6 +782,44 @@ class ProviderLimiter:
             auto_reduced_from=level.auto_reduced_from,
             notice=level.notice,
             queue=queue,
-            counters={**self.counters, **level.counters},
+            counters=counters,
             usage=self.gate.status() if self.gate is not None else None,
+            keys=tuple(_key_status(name, key, key in pool, budgets) for name, key in self._keys.items()),
+            models=tuple(ModelStatus(pattern, cap.limit, cap.configured_limit, cap.in_flight)
+                         for pattern, cap in self._models.items()),
+            budget=_budget_of(level) if budgets and not self._pool else None,
         )
+
+    def _in_order(self, limit: int) -> list[Waiter]:
+        if len(self._classes) == 1:
+            return list(next(iter(self._classes.values())).in_order(limit))
+        merged = heapq.merge(*(queue.in_order(limit) for queue in self._classes.values()), key=_waiter_order)
+        return list(itertools.islice(merged, limit))
+
+
+def _head_order(head: tuple[int, Waiter]) -> int:
+    return head[0]
+
+
+def _waiter_order(waiter: Waiter) -> int:
+    return waiter.sort_key()
+
+
+def _budget_of(level: LimitLevel) -> dict[str, int | None]:
+    budget = level.budget or Budget()
+    return budget.to_dict(level.held_until)
+
+
+def _key_status(name: str, level: LimitLevel, available: bool, budgets: bool) -> KeyStatus:
+    paused_until = level.paused_until
+    return KeyStatus(
+        name=name,
+        available=available,
+        limit=level.limit,
+        configured_limit=level.configured_limit,
+        in_flight=level.in_flight,
+        paused_until=None if paused_until is None else _ms(paused_until),
+        auto_reduced_from=level.auto_reduced_from,
+        notice=level.notice,
+        budget=_budget_of(level) if budgets else None,
+    )

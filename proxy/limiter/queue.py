@@ -14,7 +14,11 @@ from typing import Any
 
 from .policy import queue_key
 
-__all__ = ["Priority", "Waiter", "WaiterQueue"]
+__all__ = ["Priority", "Waiter", "WaiterClass", "WaiterQueue"]
+
+WaiterClass = tuple[str | None, str | None] | None
+"""Which heap of its provider's queue a waiter is in: (model cap pattern, workspace when shares apply),
+or None where the provider keeps one heap."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,11 +42,18 @@ class Waiter:
     queued: bool = True
     client_bound: bool = False
     """Its wait is bounded by the client's own deadline rather than queue_timeout."""
+    pattern: str | None = None
+    """The model cap its model matched when it came (None: none applies)."""
+    waiter_class: WaiterClass = None
 
     def forget_callbacks(self) -> None:
         """Drop the references to the caller's future once the waiter has left the queue."""
         self.on_grant = None
         self.on_reject = None
+
+    def __lt__(self, other: Waiter) -> bool:
+        """Never the deciding compare: two heap entries tie on their key only when one of them is dead."""
+        return False
 
     def sort_key(self) -> int:
         """(starred, prompt start, arrival) packed into one int: one C-level compare per heap step."""
@@ -73,6 +84,13 @@ class WaiterQueue:
                 self._live -= 1
                 return waiter
         return None
+
+    def head(self) -> tuple[int, Waiter]:
+        """The first live waiter with its sort key (the queue must not be empty)."""
+        heap = self._heap
+        while not heap[0][1].queued:
+            heapq.heappop(heap)
+        return heap[0]
 
     def remove(self, waiter: Waiter) -> bool:
         """Take a waiter out (its client left or it timed out); False if it was not queued."""

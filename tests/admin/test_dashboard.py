@@ -15,8 +15,11 @@ import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
+
+from proxy.admin import history
 
 from ..conftest import chat, provider_yaml, wait_until
 
@@ -272,3 +275,187 @@ async def test_disconnected_indicator_and_no_overlapping_polls(start_upstream, s
     await page.unroute("**/_slotproxy/status", slow)
     assert peak == 1
     await expect(indicator).to_have_attribute("data-state", "live")
+
+
+POOL_YAML = """
+state: {{path: null}}
+providers:
+  openai:
+    upstream: {upstream}/v1
+    retry_on_429: 0
+    budgets: true
+    keys:
+      - {{name: team-a, api_key_env: SP_DASH_KEY_A, limit: 2}}
+      - {{name: team-b, api_key_env: SP_DASH_KEY_B, limit: 2}}
+      - {{name: team-c, api_key_env: SP_DASH_KEY_C, limit: 2}}
+    models:
+      "gpt-big-*": {{limit: 2}}
+"""
+KEY_NOTICE = "Concurrency limit auto-reduced to 1 after a 429 — restore manually when ready."
+
+
+@pytest.fixture
+def pool_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys team-a and team-b are set; team-c's variable is not."""
+    monkeypatch.setenv("SP_DASH_KEY_A", "key-a")
+    monkeypatch.setenv("SP_DASH_KEY_B", "key-b")
+    monkeypatch.delenv("SP_DASH_KEY_C", raising=False)
+
+
+@pytest.fixture
+def fast_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(history, "SAMPLE_INTERVAL", 0.05)
+
+
+def key_status(proxy: Any, name: str) -> dict[str, Any]:
+    (entry,) = [k for k in proxy.status()["keys"] if k["name"] == name]
+    return entry
+
+
+async def rate_limited(proxy: Any, client: Any) -> str:
+    """One 429 from upstream on whichever key the pool picks; that key's name."""
+    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(stream=False),
+                           headers={"x-fake-status": "429"}) as resp:
+        assert resp.status == 429
+        await resp.read()
+    (name,) = [k["name"] for k in proxy.status()["keys"] if k["auto_reduced"]]
+    return name
+
+
+async def test_pool_keys_show_bars_and_a_rate_limited_key_restores(
+    start_upstream, start_proxy, client, page, shot, pool_env
+) -> None:
+    upstream = await start_upstream(retry_after=3)
+    proxy = await start_proxy(POOL_YAML.format(upstream=upstream.url))
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    holder = asyncio.create_task(client.post(f"{proxy.url}/openai/chat/completions", json=chat(stream=False),
+                                             headers={"x-fake-stall-ms": "2500"}))
+    await wait_until(lambda: proxy.status()["in_flight"] == 1, what="a request to hold a key's slot")
+    (busy,) = [k["name"] for k in proxy.status()["keys"] if k["in_flight"] == 1]
+    for name in ("team-a", "team-b"):
+        row = card.locator(f'[data-key="{name}"]')
+        bar = row.locator('[data-field="key-bar"]')
+        await expect(row).to_have_attribute("data-available", "true")
+        await expect(bar).to_have_attribute("aria-valuemax", "2")
+        await expect(bar).to_have_attribute("aria-valuenow", "1" if name == busy else "0")
+        await expect(row.locator('[data-field="key-in-flight"]')).to_have_text("1" if name == busy else "0")
+        await expect(row.locator('[data-field="key-limit"]')).to_have_text("2")
+    unset = card.locator('[data-key="team-c"]')
+    await expect(unset).to_have_attribute("data-available", "false")
+    await expect(unset.locator('[data-field="key-unset"]')).to_have_text("not set")
+    assert key_status(proxy, "team-c")["available"] is False
+    await shot("1-keys")
+
+    reduced = await rate_limited(proxy, client)
+    row = card.locator(f'[data-key="{reduced}"]')
+    await expect(row.locator('[data-field="key-notice"]')).to_have_text(KEY_NOTICE)
+    await expect(row.locator('[data-field="key-limit"]')).to_have_text("1")
+    pause = row.locator('[data-field="key-pause"]')
+    await expect(pause).to_have_text(re.compile(r"resumes in [0-2]\.\d s$"))
+    first = await pause.text_content()
+    await expect(pause).not_to_have_text(first or "")
+    await expect(card.locator('[data-field="notice"]')).to_be_hidden()
+    button = row.locator('[data-action="restore-key"]')
+    await expect(button).to_have_text("Restore to 2")
+    await shot("2-key-rate-limited")
+
+    await button.click()
+    await expect(row.locator('[data-field="key-limit"]')).to_have_text("2")
+    await expect(row.locator('[data-field="key-notice"]')).to_be_hidden()
+    await expect(button).to_be_hidden()
+    restored = key_status(proxy, reduced)
+    assert (restored["limit"], restored["auto_reduced"], restored["notice"]) == (2, False, None)
+    await shot("3-key-restored")
+    response = await holder
+    assert response.status == 200
+    response.release()
+
+
+async def test_a_model_cap_restores_and_a_budget_hold_is_shown_as_a_hold(
+    start_upstream, start_proxy, client, page, shot, pool_env, fast_history, monkeypatch
+) -> None:
+    monkeypatch.setenv("SLOTPROXY_ADMIN_TOKEN", TOKEN)
+    monkeypatch.delenv("SP_DASH_KEY_B")
+    upstream = await start_upstream(window_requests=1, window_seconds=30)
+    proxy = await start_proxy(POOL_YAML.format(upstream=upstream.url))
+    async with client.put(f"{proxy.url}/_slotproxy/providers/openai/models/{quote('gpt-big-*', safe='')}/limit",
+                          json={"limit": 1}, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+        assert resp.status == 200
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    model = card.locator('[data-model="gpt-big-*"]')
+    await expect(model.locator('[data-field="model-limit"]')).to_have_text("1")
+    await expect(model.locator('[data-field="model-configured-limit"]')).to_have_text("2")
+
+    big = {**chat(stream=False), "model": "gpt-big-1"}
+    request = asyncio.create_task(client.post(f"{proxy.url}/openai/chat/completions", json=big,
+                                              headers={"x-fake-stall-ms": "1500"}))
+    await expect(model.locator('[data-field="model-in-flight"]')).to_have_text("1")
+    await expect(model.locator('[data-field="model-bar"]')).to_have_attribute("aria-valuetext", "1 of 1 slots in use")
+    await shot("1-model-cap-full")
+    response = await request
+    assert response.status == 200
+    response.release()
+
+    # team-a's one request of the window is spent: it is held until the reset, which is not a pause.
+    key = card.locator('[data-key="team-a"]')
+    hold = key.locator('[data-field="key-hold"]')
+    await expect(hold).to_contain_text("held until")
+    await expect(key.locator('[data-field="key-budget"]')).to_contain_text("0 requests left")
+    await expect(key.locator('[data-field="key-pause"]')).to_be_hidden()
+    await expect(card.locator('[data-field="hold"]')).to_contain_text("Every key is held by its budget — held until")
+    await expect(card.locator('[data-field="pause"]')).to_be_hidden()
+    await expect(key.locator('rect[data-mark="held"]')).not_to_have_count(0)
+    assert proxy.status()["keys"][0]["budget"]["held_until"] is not None
+    await shot("2-budget-held")
+
+    button = model.locator('[data-action="restore-model"]')
+    await expect(button).to_have_text("Restore to 2")
+    await button.click()
+    await expect(page.locator("#token-form")).to_be_visible()
+    await page.get_by_label("Admin token").fill(TOKEN)
+    await page.locator("#token-form button[type=submit]").click()
+    await expect(model.locator('[data-field="model-limit"]')).to_have_text("2")
+    await expect(button).to_be_hidden()
+    assert proxy.status()["models"] == [{"pattern": "gpt-big-*", "limit": 2, "configured_limit": 2, "in_flight": 0}]
+    await shot("3-model-restored")
+
+
+async def test_history_charts_draw_the_last_minutes_and_fetch_one_at_a_time(
+    start_upstream, start_proxy, client, page, shot, pool_env, fast_history
+) -> None:
+    upstream = await start_upstream(retry_after=3)
+    proxy = await start_proxy(POOL_YAML.format(upstream=upstream.url))
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    chart = card.locator('svg[data-chart="provider"]')
+    for series in ("in-flight", "queued"):
+        await expect(chart.locator(f'path[data-series="{series}"]')).to_have_attribute("d", re.compile(r"^M.+H"))
+    reduced = await rate_limited(proxy, client)
+    key_chart = card.locator(f'[data-key="{reduced}"] svg[data-chart="key"]')
+    await expect(key_chart.locator('path[data-series="limit"]')).to_have_count(1)
+    await expect(key_chart.locator('rect[data-mark="paused"]')).not_to_have_count(0)
+    await expect(key_chart.locator('line[data-mark="reduced"]')).to_have_count(1)
+    await expect(chart.locator('line[data-mark="reduced"]')).to_have_count(1)
+    await expect(card.locator('[data-key="team-c"] svg[data-chart="key"]')).to_be_hidden()
+    await expect(card.locator(".legend")).to_contain_text("budget hold")
+    await shot("1-charts")
+
+    active = peak = answered = 0
+
+    async def slow(route: Any) -> None:
+        nonlocal active, peak, answered
+        active += 1
+        peak = max(peak, active)
+        try:
+            await asyncio.sleep(0.6)
+            await route.continue_()
+        finally:
+            active -= 1
+            answered += 1
+
+    await page.route("**/_slotproxy/history", slow)
+    await wait_until(lambda: answered >= 2, timeout=6, what="two slow history fetches")
+    await page.unroute("**/_slotproxy/history", slow)
+    assert peak == 1

@@ -49,3 +49,30 @@ async def test_metrics_parse_and_carry_every_spec_metric(start_upstream, start_p
     assert samples[("slotproxy_paused", (("provider", "openai"),))] in (0, 1)
     assert samples[("slotproxy_invalid_priority_headers_total", (("header", "starred"),))] == 1
     assert samples[("slotproxy_queue_wait_seconds_count", (("provider", "openai"),))] == 2
+
+
+async def test_key_and_model_series_carry_labels_from_the_config_only(start_upstream, start_proxy, client,
+                                                                     monkeypatch) -> None:
+    monkeypatch.setenv("SP_METRICS_KEY_A", "key-a")
+    monkeypatch.delenv("SP_METRICS_KEY_B", raising=False)
+    upstream = await start_upstream(retry_after=0.05)
+    proxy = await start_proxy(
+        f"state: {{path: null}}\nproviders:\n  openai:\n    upstream: {upstream.url}/v1\n    retry_on_429: 0\n"
+        "    keys: [{name: a, api_key_env: SP_METRICS_KEY_A, limit: 3}, {name: b, api_key_env: SP_METRICS_KEY_B}]\n"
+        "    models: {'big-*': {limit: 2}}\n")
+    url = f"{proxy.url}/openai/chat/completions"
+    for model in ("big-1", "whatever-the-client-says"):
+        async with client.post(url, json={**chat(), "model": model}, headers={"x-fake-status": "429"}) as resp:
+            assert resp.status == 429
+    async with client.get(f"{proxy.url}/metrics") as resp:
+        text = await resp.text()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("slotproxy_key_limit", (("key", "a"), ("provider", "openai")))] == 1, "two bursts, two steps"
+    assert samples[("slotproxy_key_paused", (("key", "a"), ("provider", "openai")))] in (0, 1)
+    assert samples[("slotproxy_key_paused", (("key", "b"), ("provider", "openai")))] == 0
+    assert samples[("slotproxy_key_budget_held", (("key", "a"), ("provider", "openai")))] == 0
+    assert samples[("slotproxy_model_limit", (("model", "big-*"), ("provider", "openai")))] == 2
+    assert samples[("slotproxy_model_in_flight", (("model", "big-*"), ("provider", "openai")))] == 0
+    models = {dict(labels).get("model") for name, labels in samples if name.startswith("slotproxy_model_")}
+    assert models == {"big-*"}, "a model the client named is never a label value"

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.asyncio
 
 PROVIDER_FIELDS = {
     "provider", "limit", "configured_limit", "in_flight", "queued", "paused", "paused_until", "cooldown_ms",
-    "auto_reduced", "auto_reduced_from", "notice", "queue", "usage", "rejected",
+    "auto_reduced", "auto_reduced_from", "notice", "queue", "usage", "rejected", "keys", "models",
 }
 
 

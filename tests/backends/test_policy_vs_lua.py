@@ -10,8 +10,10 @@ the Retry-After header they would carry.
 The rules compared: admission at the limit, the same-burst rule, one reduction
 per burst, recovery steps and their notices, pause lengths (stated and default),
 release cooldown, queue timeouts and queue-full (counted, with the pause-aware
-hint), queue order (starred, prompt start in whole ms, then arrival) and the
-queue listing's length.
+hint), queue order (starred, prompt start in whole ms, then arrival), the
+queue listing's length, and the nested limits: key choice (stickiness, then
+the most free slots, ties in config order), a backoff on one key, every key
+paused, model caps, budget holds and ``max_share``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,16 @@ import pytest
 from proxy.backends import MemoryBackend
 from proxy.backends.redis import RedisBackend
 from proxy.errors import ProxyError
-from proxy.limiter import QUEUE_LISTED, FakeClock, LimiterSettings, Priority, SlotLease
+from proxy.limiter import (
+    QUEUE_LISTED,
+    FakeClock,
+    KeySettings,
+    LimiterSettings,
+    ModelCap,
+    Priority,
+    SlotLease,
+)
+from proxy.limiter import Budget as LimitBudget
 
 from .conftest import REDIS_URL, require_redis
 
@@ -86,6 +97,11 @@ class Side:
         doc["queue"] = [{**w, "prompt_started_at": w["prompt_started_at"] - base_ms, "waited_ms": None}
                         for w in doc["queue"]]
         doc["counters"] = dict(status.counters)
+        for key in doc["keys"]:
+            key["paused_until"] = key["paused_until"] is not None
+            if "budget" in key:
+                key["budget"] = {**key["budget"], "reset_at": key["budget"]["reset_at"] is not None,
+                                 "held_until": key["budget"]["held_until"] is not None}
         return doc
 
 
@@ -118,6 +134,8 @@ class Acquire:
     starred: bool = False
     workspace: str = "default"
     client_wait: float | None = None
+    model: str | None = None
+    conversation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,10 +145,35 @@ class Release:
 
 @dataclass(frozen=True)
 class Backoff:
+    """An upstream backoff; on the key ``sent_by``'s lease was taken on, when it has one."""
+
     cause: str
     wait: float | None
     sent_by: str | None = None
     reduce: bool = True
+
+
+@dataclass(frozen=True)
+class SpentBudget:
+    """The answer on ``sent_by``'s key said its requests are spent until ``reset`` seconds from now."""
+
+    sent_by: str
+    reset: float
+    tokens: int = 1000
+
+
+@dataclass(frozen=True)
+class SetKeyLimit:
+    key: str
+    limit: int | None
+
+
+@dataclass(frozen=True)
+class Granted:
+    """``name`` holds a slot on ``key``."""
+
+    name: str
+    key: str | None
 
 
 @dataclass(frozen=True)
@@ -150,6 +193,8 @@ class Expect:
     pinned: dict[str, Any] = field(default_factory=dict)
     held: tuple[str, ...] | None = None
     rejected: dict[str, tuple[str, int | None]] | None = None
+    keys: dict[str, str | None] = field(default_factory=dict)
+    """Which key each named lease holds (checked on both)."""
 
 
 async def apply(side: Side, step: Any, prefix_settings: dict[str, Any]) -> None:
@@ -158,9 +203,11 @@ async def apply(side: Side, step: Any, prefix_settings: dict[str, Any]) -> None:
         backend.configure({P: LimiterSettings(**{**prefix_settings, **step.settings})}, frozenset())
     elif isinstance(step, Acquire):
         started = math.floor(side.base * 1000) / 1000 - step.age
-        priority = Priority(prompt_started_at=started, workspace=step.workspace, starred=step.starred)
+        priority = Priority(prompt_started_at=started, workspace=step.workspace, starred=step.starred,
+                            conversation=step.conversation)
         before = await _queued(side)
-        side.waiting[step.name] = asyncio.create_task(backend.acquire(P, priority, client_wait=step.client_wait))
+        side.waiting[step.name] = asyncio.create_task(backend.acquire(P, priority, client_wait=step.client_wait,
+                                                                      model=step.model))
         for _ in range(200):  # granted, rejected or queued before the next step: arrival order is the steps'
             await side.settle()
             if step.name not in side.waiting or await _queued(side) > before:
@@ -170,7 +217,14 @@ async def apply(side: Side, step: Any, prefix_settings: dict[str, Any]) -> None:
         side.leases.pop(step.name).release()
     elif isinstance(step, Backoff):
         sent_at = side.leases[step.sent_by].granted_at if step.sent_by else side.now()
-        backend.report_backoff(P, step.cause, step.wait, sent_at, reduce=step.reduce)
+        key = side.leases[step.sent_by].key if step.sent_by else None
+        backend.report_backoff(P, step.cause, step.wait, sent_at, reduce=step.reduce, key=key)
+    elif isinstance(step, SpentBudget):
+        reset = side.now() + step.reset
+        backend.report_budget(P, LimitBudget(remaining_requests=0, remaining_tokens=step.tokens, reset_at=reset,
+                                             held_until=reset), side.leases[step.sent_by].key)
+    elif isinstance(step, SetKeyLimit):
+        backend.set_key_limit(P, step.key, step.limit)
     elif isinstance(step, SetLimit):
         backend.set_limit(P, step.limit)
     elif isinstance(step, Advance):
@@ -209,6 +263,10 @@ async def close(sides: list[Side]) -> None:
 async def expect(sides: list[Side], step: Expect, number: int) -> None:
     """Memory answers at once; Redis may need a renew round for a grant to land: poll it a little."""
     memory, redis_ = sides
+    def on_keys(side: Side) -> bool:
+        return all(name in side.leases and side.leases[name].key == key for name, key in step.keys.items())
+
+    assert on_keys(memory), f"step {number}: memory keys {[(n, lease.key) for n, lease in memory.leases.items()]}"
     wanted = await memory.status()
     for key, value in step.pinned.items():
         assert wanted[key] == value, f"step {number}: memory {key} = {wanted[key]!r}, pinned {value!r}"
@@ -220,7 +278,7 @@ async def expect(sides: list[Side], step: Expect, number: int) -> None:
     for _ in range(60):
         got = await redis_.status()
         same = got == wanted and (step.held is None or sorted(redis_.leases) == sorted(step.held)) \
-            and (step.rejected is None or redis_.rejected == step.rejected)
+            and (step.rejected is None or redis_.rejected == step.rejected) and on_keys(redis_)
         if same:
             return
         await asyncio.sleep(0.05)
@@ -235,6 +293,8 @@ def notice_reduced(limit: int, cause: str) -> str:
 
 
 # --- the table -----------------------------------------------------------------------
+
+POOL = (KeySettings("a", 2), KeySettings("b", 2))
 
 SCENARIOS: dict[str, tuple[list[Any], dict[str, Any]]] = {
     "admission at the limit, then a release hands the slot on": ([
@@ -352,6 +412,61 @@ SCENARIOS: dict[str, tuple[list[Any], dict[str, Any]]] = {
         Expect(held=("tie-1",)),
         Release("tie-1"),
         Expect(held=("tie-2",)),
+    ], {}),
+    "a pool: the freest key, ties in config order; a conversation keeps its key while it has room": ([
+        Configure({"keys": POOL}),
+        Acquire("a1", conversation="c1"), Acquire("b1"), Acquire("a2", conversation="c2"),
+        Expect(held=("a1", "b1", "a2"), keys={"a1": "a", "b1": "b", "a2": "a"}),
+        Release("a1"),
+        Acquire("again", conversation="c1"),
+        Expect(keys={"again": "a"}, pinned={"in_flight": 3, "queued": 0}),
+        Acquire("last", conversation="c1"), Acquire("over"),
+        Expect(keys={"last": "b"}, pinned={"in_flight": 4, "queued": 1}),
+    ], {}),
+    "a backoff pauses and reduces the key that got it; every key paused pauses the provider": ([
+        Configure({"keys": POOL}),
+        Acquire("x"), Acquire("y"),
+        Expect(keys={"x": "a", "y": "b"}),
+        Backoff("429", 0.5, "x"),
+        Expect({"paused": False, "limit": None, "counters": {"granted": 2, "queue_full": 0, "queue_timeouts": 0,
+                                                             "reclaims": 0, "backoffs": 1, "auto_reductions": 1}}),
+        Acquire("z"),
+        Expect(keys={"z": "b"}),
+        Backoff("429", 0.5, "y"),
+        Expect({"paused": True, "paused_until": True}),
+        Release("x"), Release("y"), Release("z"),
+        SetKeyLimit("a", 2),
+        Advance(0.6),
+        Expect({"paused": False}),
+    ], {}),
+    "a model cap holds its own model only": ([
+        Configure({"limit": 3, "models": (ModelCap("big-*", 1),)}),
+        Acquire("big", model="big-1"), Acquire("big-too", model="big-2"), Acquire("small", model="small"),
+        Expect({"in_flight": 2, "queued": 1}, held=("big", "small")),
+        Release("big"),
+        Expect(held=("small", "big-too")),
+    ], {}),
+    "a spent budget holds its key, with no pause, reduction or notice": ([
+        Configure({"keys": POOL, "budgets": True}),
+        Acquire("first"),
+        SpentBudget("first", reset=0.5),
+        Release("first"),
+        Acquire("second"), Acquire("third"), Acquire("fourth"),
+        Expect({"paused": False, "queued": 1, "counters": {"granted": 3, "queue_full": 0, "queue_timeouts": 0,
+                                                            "reclaims": 0, "backoffs": 0, "auto_reductions": 0}},
+               keys={"second": "b", "third": "b"}),
+        Advance(0.6),
+        Expect({"queued": 0}, keys={"fourth": "a"}),
+    ], {}),
+    "max_share: a workspace at its share is passed over while another can go, else admitted": ([
+        Configure({"limit": 2, "max_share": 0.5}),
+        Acquire("a1", workspace="a"), Acquire("a2", workspace="a"),
+        Acquire("a3", workspace="a", age=50), Acquire("b1", workspace="b"),
+        Expect({"in_flight": 2, "queued": 2}),
+        Release("a1"),
+        Expect(held=("a2", "b1")),
+        Release("a2"),
+        Expect(held=("b1", "a3")),
     ], {}),
 }
 

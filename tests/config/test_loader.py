@@ -232,3 +232,47 @@ def test_example_config_loads() -> None:
 def test_example_config_spells_out_every_default() -> None:
     raw = yaml.safe_load(EXAMPLE.read_text())
     assert set(raw["defaults"]) == set(Defaults.model_fields)
+
+
+def test_a_key_pool_model_caps_budgets_and_a_share_load() -> None:
+    config = parse_config(textwrap.dedent("""\
+        workspaces: {max_share: 0.5}
+        providers:
+          anthropic:
+            upstream: https://api.anthropic.com
+            auth: x-api-key
+            limit: 8
+            keys:
+              - {name: team-a, api_key_env: ANTHROPIC_KEY_A, limit: 4}
+              - {name: team-b, api_key_env: ANTHROPIC_KEY_B, limit: 4}
+            models:
+              "claude-opus-*": {limit: 2}
+            budgets: true
+        """))
+    settings = config.provider("anthropic")
+    assert [(k.name, k.api_key_env, k.limit) for k in settings.keys] == [
+        ("team-a", "ANTHROPIC_KEY_A", 4), ("team-b", "ANTHROPIC_KEY_B", 4)]
+    assert {p: m.limit for p, m in settings.models.items()} == {"claude-opus-*": 2}
+    assert settings.budgets and config.workspaces.max_share == 0.5
+    assert not parse_config("providers: {p: {upstream: 'http://127.0.0.1:1'}}").provider("p").budgets
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("providers: {p: {upstream: 'http://127.0.0.1:1', api_key_env: K, keys: [{name: a, api_key_env: A}]}}",
+     "providers.p: set either api_key_env (one key) or keys (a pool), not both"),
+    ("providers: {p: {upstream: 'http://127.0.0.1:1', keys: [{name: a, api_key_env: A}, {name: a, api_key_env: B}]}}",
+     "providers.p.keys: key name 'a' is used twice"),
+    ("providers: {p: {upstream: 'http://127.0.0.1:1', keys: [{name: 'a b', api_key_env: A}]}}",
+     "providers.p.keys[0].name: a key name must start with a letter or digit"),
+    ("providers: {p: {upstream: 'http://127.0.0.1:1', keys: [{name: a, api_key_env: A, limit: 0}]}}",
+     "providers.p.keys[0].limit: must be a positive integer or null"),
+    ("providers: {p: {upstream: 'http://127.0.0.1:1', keys: [{name: a}]}}",
+     "providers.p.keys[0].api_key_env"),
+    ("providers: {p: {upstream: 'http://127.0.0.1:1', models: {'opus-*': {limit: -1}}}}",
+     "providers.p.models.opus-*.limit: must be a positive integer or null"),
+    ("workspaces: {max_share: 1.5}", "workspaces.max_share: must be a share of the provider's slots"),
+    ("workspaces: {max_share: 0}", "workspaces.max_share: must be a share of the provider's slots"),
+])
+def test_nested_limit_mistakes_name_the_key_path(text: str, message: str) -> None:
+    found = problems(text)
+    assert any(problem.startswith(message) for problem in found), found

@@ -31,6 +31,7 @@ def test_notices_are_literal() -> None:
     (10.0, None, None, -1.0, False),    # nothing known: a new burst
     (10.0, 12.0, 9.0, -1.0, True),      # still paused
     (10.0, 9.0, 9.0, 8.0, False),       # pause over, granted after the reduction
+    (10.0, 10.0, None, -1.0, True),     # a pause ending this instant: nothing was granted since
     (10.0, None, 7.5, 8.0, True),       # granted before the reduction: the same burst
     (10.0, None, 8.0, 8.0, True),       # granted in the same instant
 ])
@@ -68,3 +69,43 @@ def test_queue_key_orders_starred_then_whole_ms_then_arrival() -> None:
     }
     assert sorted(keys, key=keys.__getitem__) == ["starred-young", "old", "young-first", "young-second-older-by-us"]
     assert policy.prompt_ms(t + 0.0009) == 1_800_000_000_000
+
+
+def test_key_choice_sticks_then_takes_the_freest_ties_in_config_order() -> None:
+    assert policy.choose_key([("a", 1), ("b", 2)], None) == "b"
+    assert policy.choose_key([("a", 2), ("b", 2)], None) == "a"
+    assert policy.choose_key([("a", 1), ("b", 2)], "a") == "a"
+    assert policy.choose_key([("b", 2)], "a") == "b", "the previous key has no room: the freest takes it"
+    assert policy.choose_key([("a", 5), ("b", None)], None) == "b", "no limit is the most room"
+    assert policy.choose_key([], "a") is None
+
+
+def test_share_cap_and_the_pool_pause() -> None:
+    assert policy.share_cap(0.5, 4) == 2
+    assert policy.share_cap(0.3, 10) == 3
+    assert policy.share_cap(0.1, 4) == 1
+    assert policy.share_cap(None, 4) is None and policy.share_cap(0.5, None) is None
+    assert policy.pool_paused_until(None, [10.0, 12.0]) == 10.0
+    assert policy.pool_paused_until(None, [10.0, None]) is None
+    assert policy.pool_paused_until(5.0, [None]) == 5.0
+    assert policy.pool_paused_until(None, []) is None
+
+
+def test_model_patterns_match_first_in_config_order() -> None:
+    patterns = ["claude-opus-*", "claude-*"]
+    assert policy.model_pattern("claude-opus-4", patterns) == "claude-opus-*"
+    assert policy.model_pattern("claude-sonnet-4", patterns) == "claude-*"
+    assert policy.model_pattern("gpt-5", patterns) is None
+    assert policy.model_pattern(None, patterns) is None
+    assert policy.model_pattern("Claude-opus-4", patterns) is None, "case-sensitive, like the model ids"
+
+
+def test_sticky_keys_forget_the_least_recent_conversation() -> None:
+    sticky = policy.StickyKeys(size=2)
+    sticky.remember("c1", "a")
+    sticky.remember("c2", "b")
+    assert sticky.get("c1") == "a"
+    sticky.remember("c3", "a")
+    assert (sticky.get("c1"), sticky.get("c2"), sticky.get("c3")) == ("a", None, "a")
+    sticky.remember(None, "a")
+    assert sticky.get(None) is None

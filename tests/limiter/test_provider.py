@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from proxy.errors import QueueFull
@@ -382,7 +384,7 @@ def test_statistics_has_every_status_field() -> None:
     data = limiter.statistics().to_dict()
     assert set(data) == {
         "provider", "limit", "configured_limit", "in_flight", "queued", "paused", "paused_until",
-        "cooldown_ms", "auto_reduced", "auto_reduced_from", "notice", "queue", "usage", "rejected",
+        "cooldown_ms", "auto_reduced", "auto_reduced_from", "notice", "queue", "usage", "rejected", "keys", "models",
     }
     assert data["cooldown_ms"] == 250
     assert data["queue"] == [{
@@ -401,3 +403,26 @@ def test_a_retry_keeps_its_arrival_place() -> None:
     limiter.enqueue(prio(), lambda lease: rec.granted.append(("retry", lease)), seq=first_seq)
     holder.release()
     assert rec.names == ["retry"]
+
+
+def test_a_retry_requeued_during_a_pause_keeps_its_place_and_loses_no_one() -> None:
+    """A granted waiter leaves its heap at once: its 429 retry (same place, same key) never meets its old entry."""
+    clock = FakeClock(T0)
+    limiter = ProviderLimiter("p", LimiterSettings(limit=1, queue_timeout=600), clock)
+    granted: list[Any] = []
+    holder = limiter.try_acquire(Priority(prompt_started_at=T0))
+    older, newer = Priority(prompt_started_at=T0 - 10), Priority(prompt_started_at=T0 - 5)
+    limiter.enqueue(older, granted.append)
+    limiter.enqueue(newer, lambda lease: granted.append(("newer", lease)))
+    holder.release()
+    first = granted.pop()
+    limiter.report_backoff("429", 1.0, sent_at=first.granted_at)
+    first.release()
+    limiter.enqueue(older, granted.append, seq=first.seq)
+    assert limiter.queued == 2
+    clock.advance(1.5)
+    assert len(granted) == 1 and not isinstance(granted[0], tuple), "the retry goes first, in its old place"
+    granted.pop().release()
+    assert granted and granted[0][0] == "newer"
+    granted[0][1].release()
+    assert (limiter.queued, limiter.in_flight) == (0, 0)

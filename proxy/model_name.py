@@ -1,0 +1,46 @@
+"""Which model a request asks for: the body's top-level ``model``, or the ``{model}`` of a Gemini-style path.
+
+Read only when the provider has model caps. Agents' bodies can be large (a long
+conversation is hundreds of KB), and SDKs write ``model`` first, so a scan of the
+body's opening finds it without parsing the body; only a body where it is not
+first is parsed, once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+__all__ = ["request_model"]
+
+_LEADING_MODEL = re.compile(rb'\s*\{\s*"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
+_PATH_MODEL = re.compile(r"(?:^|/)models/([^/:]{1,256}):")
+_SCAN = 1024
+_PARSE_AT_MOST = 8 << 20
+
+
+def request_model(path: str, body: bytes) -> str | None:
+    """The model named by ``path`` (the part after the provider's prefix, decoded) or by the JSON ``body``."""
+    in_path = _PATH_MODEL.search(path)
+    if in_path is not None:
+        return in_path.group(1)
+    if not body:
+        return None
+    leading = _LEADING_MODEL.match(body, 0, _SCAN)
+    if leading is not None:
+        raw = leading.group(1)
+        if b"\\" not in raw:
+            return raw.decode("utf-8", "replace")
+        try:
+            value = json.loads(b'"' + raw + b'"')
+        except ValueError:
+            return None
+        return value if isinstance(value, str) else None
+    if len(body) > _PARSE_AT_MOST or body.lstrip()[:1] != b"{":
+        return None
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else None
