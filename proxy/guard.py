@@ -17,7 +17,7 @@ from __future__ import annotations
 import ipaddress
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote
 
 from .errors import BadRequest, UnknownProvider
@@ -34,6 +34,7 @@ _CROSS = frozenset({"cross-site", "same-site"})
 _PORT = re.compile(r":[0-9]{1,5}$")
 _SEPARATORS = re.compile(r"[/\\]")
 _MAX_DECODE_ROUNDS = 3
+_HOSTS_REMEMBERED = 64
 
 
 def is_loopback_address(host: str) -> bool:
@@ -63,6 +64,8 @@ class BrowserGuard:
     loopback_listener: bool
     allowed_hosts: frozenset[str] = frozenset()
     allowed_origins: frozenset[str] = frozenset()
+    _decided: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
+    """Host values already judged: clients send the same one on every request (a few entries at most)."""
 
     @classmethod
     def for_listener(cls, listen_host: str, allowed_hosts: tuple[str, ...] = (),
@@ -75,6 +78,14 @@ class BrowserGuard:
         unless ``allowed_hosts`` is set. A request with no Host at all is no browser's."""
         if host_header is None or "*" in self.allowed_hosts:
             return True
+        decided = self._decided.get(host_header)
+        if decided is None:
+            decided = self._judge(host_header)
+            if len(self._decided) < _HOSTS_REMEMBERED:
+                self._decided[host_header] = decided
+        return decided
+
+    def _judge(self, host_header: str) -> bool:
         value = host_header.strip().lower()
         name = host_name(value)
         if name in self.allowed_hosts or value in self.allowed_hosts:

@@ -7,7 +7,9 @@ import gc
 import hashlib
 import logging
 import signal
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -20,7 +22,7 @@ from .heap import HeapKeeper
 from .limiter import LoopClock
 from .runtime import ProxyState
 
-__all__ = ["ConfigWatcher", "serve", "shutdown"]
+__all__ = ["ConfigWatcher", "dashboard_url", "serve", "shutdown"]
 
 log = logging.getLogger("slotproxy")
 
@@ -122,8 +124,8 @@ async def _serve(config: Config, path: str, host: str, port: int) -> int:
     gc.freeze()
     heap = HeapKeeper(lambda: state.active_requests, LoopClock(loop))
     heap.start()
-    log.info("slotproxy listening on http://%s:%d (providers: %s; config %s)",
-             host, bound, ", ".join(config.provider_names()) or "none", path)
+    log.info("slotproxy listening on http://%s:%d (providers: %s; config %s); dashboard: %s",
+             host, bound, ", ".join(config.provider_names()) or "none", path, dashboard_url(host, bound))
     await stop.wait()
     heap.stop()
     await watcher.stop()
@@ -131,13 +133,24 @@ async def _serve(config: Config, path: str, host: str, port: int) -> int:
     return 0
 
 
+def dashboard_url(host: str, port: int) -> str:
+    """Where a browser on this machine finds the dashboard (a wildcard bind is reached on loopback)."""
+    shown = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}/_slotproxy/"
+
+
 def serve(config: Config, path: str, host: str, port: int) -> int:
     """Run until SIGTERM or SIGINT; returns the exit status."""
+    # Outside any except block: an error while serving must not carry "No module named 'uvloop'" as its context.
+    return _event_loop_runner()(_serve(config, path, host, port))
+
+
+def _event_loop_runner() -> Callable[[Coroutine[Any, Any, int]], int]:
+    """uvloop's runner where it is installed (every platform its marker in pyproject covers), else asyncio's."""
     try:
         import uvloop
     except ImportError:
-        uvloop = None
-    # Outside the except block: an error while serving must not carry "No module named 'uvloop'" as its context.
-    if uvloop is None:
-        return asyncio.run(_serve(config, path, host, port))
-    return uvloop.run(_serve(config, path, host, port))
+        return asyncio.run
+    return uvloop.run

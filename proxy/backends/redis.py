@@ -18,12 +18,14 @@ until Redis answers again, and the replica rejoins.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import itertools
 import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -31,7 +33,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ..aio import result_if_any
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit, UnknownProvider
@@ -52,7 +54,7 @@ from ..limiter.deadlines import Deadlines
 from . import lua
 from .memory import MemoryBackend
 
-__all__ = ["RedisBackend", "RedisLease"]
+__all__ = ["RedisBackend", "RedisLease", "ScriptBatch"]
 
 log = logging.getLogger("slotproxy.redis")
 
@@ -60,6 +62,81 @@ _UNCONFIGURED = -2
 _POOL_SIZE = 32
 """Redis connections one replica opens at most (one of them the grant listener's): callers beyond it wait
 their turn for a connection, so a deep queue never turns into connection errors."""
+
+
+class ScriptBatch:
+    """Script calls made in one event-loop turn go to Redis as one pipeline: one round trip and one
+    connection for all of them, instead of one each. One batch is in flight at a time, and the calls made
+    meanwhile form the next, so they reach Redis in the order they were made.
+
+    Scripts run by their SHA; a Redis that does not know one (it restarted, or was flushed) is sent the
+    script and the calls that missed it are sent again."""
+
+    def __init__(self, redis: aioredis.Redis, scripts: Mapping[str, str]) -> None:
+        self._redis = redis
+        self._texts = dict(scripts)
+        self._shas = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in scripts.items()}
+        self._queued: list[tuple[str, list[str], tuple[Any, ...], asyncio.Future[Any]]] = []
+        self._sender: asyncio.Task[None] | None = None
+
+    def call(self, name: str, *, keys: list[str], args: tuple[Any, ...]) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queued.append((name, keys, args, future))
+        if self._sender is None:
+            self._sender = loop.create_task(self._send_all())
+        return future
+
+    async def _send_all(self) -> None:
+        batch: list[tuple[str, list[str], tuple[Any, ...], asyncio.Future[Any]]] = []
+        try:
+            await asyncio.sleep(0)  # the rest of this loop turn joins the batch
+            while self._queued:
+                batch, self._queued = self._queued, []
+                await self._send(batch)
+                batch = []
+        except BaseException:  # cancelled (the backend is closing): nobody may be left waiting
+            for *_, future in (*batch, *self._queued):
+                if not future.done():
+                    future.set_exception(RedisError("the redis backend is closing"))
+            self._queued = []
+            raise
+        finally:
+            self._sender = None
+
+    async def _send(self, batch: list[tuple[str, list[str], tuple[Any, ...], asyncio.Future[Any]]]) -> None:
+        try:
+            results = await self._pipeline(batch)
+            missed = [index for index, result in enumerate(results) if isinstance(result, NoScriptError)]
+            if missed:
+                for name in {batch[index][0] for index in missed}:
+                    await self._redis.script_load(self._texts[name])
+                for index, result in zip(missed, await self._pipeline([batch[i] for i in missed]), strict=True):
+                    results[index] = result
+        except (RedisError, OSError) as exc:
+            for *_, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (*_, future), result in zip(batch, results, strict=True):
+            if future.done():
+                continue  # its caller left
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    async def _pipeline(self, batch: list[tuple[str, list[str], tuple[Any, ...], asyncio.Future[Any]]]) -> list[Any]:
+        if len(batch) == 1:  # nothing to coalesce: a plain call costs less than a pipeline of one
+            name, keys, args, _ = batch[0]
+            try:
+                return [await self._redis.evalsha(self._shas[name], len(keys), *keys, *args)]  # type: ignore[misc]
+            except ResponseError as exc:
+                return [exc]
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for name, keys, args, _ in batch:
+                pipe.evalsha(self._shas[name], len(keys), *keys, *args)
+            return await pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
 
 
 class RedisLease:
@@ -182,7 +259,9 @@ class RedisBackend:
             url, max_connections=_POOL_SIZE, timeout=None, socket_timeout=2, socket_connect_timeout=2,
             retry=_reconnect_once(), client_name=f"slotproxy-{self.replica}")
         self._redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
-        self._scripts = {name: self._redis.register_script(getattr(lua, name)) for name in lua.__all__}
+        self._batch = ScriptBatch(self._redis, {name: getattr(lua, name) for name in lua.__all__})
+        self._scripts: dict[str, Callable[..., Awaitable[Any]]] = {
+            name: functools.partial(self._batch.call, name) for name in lua.__all__}
         self._settings: dict[str, LimiterSettings] = {}
         self._configured: set[str] = set()
         self._starred: frozenset[str] = frozenset()
@@ -191,7 +270,7 @@ class RedisBackend:
         self._leases: dict[str, RedisLease] = {}
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._pending: set[asyncio.Task[Any]] = set()
+        self._pending: set[asyncio.Future[Any]] = set()
         self._signals: set[asyncio.Task[Any]] = set()
         self._snapshot: dict[str, ProviderStatus] = {}
         self._reclaims: dict[str, int] = {}
@@ -251,12 +330,15 @@ class RedisBackend:
         return [base + part for part in ("cfg", "leases", "cooling", "waiters", "winfo", "whb", "granted", "seq")] + [
             f"{self._prefix}:stars"]
 
-    async def _run(self, name: str, provider: str, *args: Any) -> Any:
+    def _keys_of(self, provider: str) -> list[str]:
         keys = self._key_cache.get(provider)
         if keys is None:
             keys = self._key_cache[provider] = self._keys(provider)
+        return keys
+
+    async def _run(self, name: str, provider: str, *args: Any) -> Any:
         try:
-            result = await self._scripts[name](keys=keys, args=args)
+            result = await self._scripts[name](keys=self._keys_of(provider), args=args)
         except ResponseError:
             log.exception("redis script %s failed for provider=%s", name, provider)
             raise
@@ -488,14 +570,26 @@ class RedisBackend:
     # ----- release, renew, dispatch ------------------------------------------------
 
     def _release(self, lease: RedisLease) -> None:
+        """Once per request: the RELEASE joins this loop turn's batch with no task of its own."""
         self._leases.pop(lease.lease_id, None)
-        self._spawn(self._release_script(lease))
+        provider = lease.provider
+        answer = self._batch.call("RELEASE", keys=self._keys_of(provider), args=(
+            lease.lease_id, lease.waiter_id, self._lease_ttl_ms, self._channel))
+        self._pending.add(answer)
+        answer.add_done_callback(self._pending.discard)
+        answer.add_done_callback(functools.partial(self._released, provider))
 
-    async def _release_script(self, lease: RedisLease) -> None:
-        result = await self._guarded("RELEASE", lease.provider, lease.lease_id, lease.waiter_id, self._lease_ttl_ms,
-                                     self._channel)
-        if result is not None:
-            self._schedule_dispatch(lease.provider, int(_text(result[1])))
+    def _released(self, provider: str, answer: asyncio.Future[Any]) -> None:
+        if answer.cancelled():
+            return
+        error = answer.exception()
+        if isinstance(error, ResponseError):
+            log.error("redis script RELEASE failed for provider=%s: %s", provider, error)
+        elif isinstance(error, RedisError):
+            self._mark_unhealthy(error)
+        elif error is None:
+            self._mark_healthy()
+            self._schedule_dispatch(provider, int(_text(answer.result()[1])))
 
     def _schedule_dispatch(self, provider: str, at_ms: int) -> None:
         """Run a dispatch when a pause or cooldown ends, if this replica has waiters then."""
