@@ -17,9 +17,15 @@ rounds; each figure is the median over rounds with the spread min-max):
 2. **SSE streams.** 32 concurrent aiohttp clients (in this process), each
    streaming a chat completion of 50 chunks 5 ms apart from
    ``slotproxy fake-upstream --chunks 50 --delay-ms 5``, direct and through
-   slotproxy (provider ``sse``), three waves per round. Reported: time to the
-   first SSE event (TTFB), total stream time, and the gaps between chunks
-   (p50/p99 over all streams of the round).
+   slotproxy (provider ``sse``), through nginx (``proxy_pass`` to the fake,
+   ``proxy_buffering off``) and through a bare aiohttp relay (``--sse-relay``:
+   one pooled ClientSession, each upstream chunk written on as it arrives, no
+   limiter, no header rules: the floor aiohttp itself sets), three waves per
+   round. Reported: time to the
+   first SSE event (TTFB), total stream time, the gaps between chunks
+   (p50/p99 over all streams of the round), and each proxy's CPU per stream
+   (its processes' utime+stime over the round ÷ streams): the per-chunk relay
+   cost, against nginx's for the same bytes.
 3. **Memory.** A fresh slotproxy: VmRSS at idle after start (base RSS), again
    after a small warm-up, then while 500 streams (30 chunks 1 s apart) are
    held open through it; KiB per held stream = (held - warm idle) / 500.
@@ -52,7 +58,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -105,6 +111,9 @@ SSE_CLIENTS = 32
 SSE_CHUNKS = 50
 SSE_DELAY_MS = 5
 SSE_WAVES = 3
+SSE_PATHS = ("direct", "slotproxy", "nginx", "aiohttp")
+PROXIES = ("slotproxy", "nginx", "aiohttp")
+TARGET_SSE_CPU_RATIO = 1.5
 SSE_BODY = json.dumps({"model": "fake-model", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
 HELD_STREAMS = 500
 HOLD_CHUNKS = 30
@@ -220,6 +229,7 @@ class SseRound:
     gap_p50: float
     gap_p99: float
     streams: int
+    cpu_ms_per_stream: float | None = None
 
 
 async def one_stream(session: aiohttp.ClientSession, url: str) -> StreamTiming:
@@ -240,6 +250,15 @@ async def one_stream(session: aiohttp.ClientSession, url: str) -> StreamTiming:
     chunks = stamps[:SSE_CHUNKS]
     gaps = [(later - earlier) * 1000 for earlier, later in zip(chunks, chunks[1:])]
     return StreamTiming((stamps[0] - started) * 1000, (ended - started) * 1000, gaps)
+
+
+def sse_round_billed(url: str, waves: int, pids: Sequence[int]) -> SseRound:
+    """A round of streams, with the CPU the proxy's processes used for it (None for the direct path)."""
+    before = cpu_seconds(pids) if pids else 0.0
+    result = asyncio.run(sse_round(url, waves))
+    if not pids:
+        return result
+    return replace(result, cpu_ms_per_stream=(cpu_seconds(pids) - before) * 1000 / result.streams)
 
 
 async def sse_round(url: str, waves: int) -> SseRound:
@@ -347,6 +366,13 @@ class Results:
 class Setup:
     targets: dict[str, Target]
     sse_urls: dict[str, str]
+    sse_pids: dict[str, list[int]]
+
+
+def sse_proxy_conf(prefix: Path, port: int, upstream_port: int) -> str:
+    """nginx in front of the fake upstream for streams: /sse/x -> /v1/x, keepalive, no buffering."""
+    return proxy_conf(prefix, port, upstream_port).replace("location /bench/ {", "location /sse/ {").replace(
+        "proxy_pass http://static/;", "proxy_pass http://static/v1/;")
 
 
 def start_servers(procs: Processes) -> Setup:
@@ -363,11 +389,59 @@ def start_servers(procs: Processes) -> Setup:
         "slotproxy": Target("slotproxy", f"http://{HOST}:{slot_port}{PATH_PROXIED}", [slot.pid], upstream),
         "nginx": Target("nginx", f"http://{HOST}:{nginx_port}{PATH_PROXIED}", [ngx.pid, ngx_worker], upstream),
     }
+    sse_port = free_port()
+    ngx_sse, ngx_sse_worker = start_nginx(procs, "nginx-sse", sse_proxy_conf(procs.workdir / "nginx-sse", sse_port,
+                                                                              fake_port), "/sse/")
     sse_urls = {
         "direct": f"http://{HOST}:{fake_port}/v1/chat/completions",
         "slotproxy": f"http://{HOST}:{slot_port}/sse/chat/completions",
+        "nginx": f"http://{HOST}:{sse_port}/sse/chat/completions",
     }
-    return Setup(targets, sse_urls)
+    relay_port = free_port()
+    relay = procs.start("sse-relay", [sys.executable, __file__, "--sse-relay", str(relay_port),
+                                      f"http://{HOST}:{fake_port}/v1/"])
+    wait_http(f"http://{HOST}:{relay_port}/sse/", relay, "sse-relay", require_200=False)
+    sse_urls["aiohttp"] = f"http://{HOST}:{relay_port}/sse/chat/completions"
+    sse_pids = {"direct": [], "slotproxy": [slot.pid], "nginx": [ngx_sse.pid, ngx_sse_worker],
+                "aiohttp": [relay.pid]}
+    return Setup(targets, sse_urls, sse_pids)
+
+
+async def _sse_relay(port: int, upstream: str) -> None:
+    """The bare aiohttp streaming relay: read the body, forward it, write each chunk as it comes."""
+    from aiohttp import web
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+                                    cookie_jar=aiohttp.DummyCookieJar())
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        async with session.post(upstream + request.match_info["rest"], data=body,
+                                headers={"Content-Type": "application/json"}) as answer:
+            response = web.StreamResponse(status=answer.status, headers={
+                "Content-Type": answer.headers.get("Content-Type", "text/event-stream")})
+            await response.prepare(request)
+            async for chunk in answer.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    app = web.Application()
+    app.router.add_post("/sse/{rest:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, HOST, port).start()
+    await asyncio.Event().wait()
+
+
+def run_sse_relay(port: int, upstream: str) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        runner = asyncio.run
+    else:
+        runner = uvloop.run
+    runner(_sse_relay(port, upstream))
 
 
 def warm_up(setup: Setup, lua: Path) -> None:
@@ -385,7 +459,7 @@ def run_round(setup: Setup, results: Results, duration: float, lua: Path, number
             log(f"round {number} wrk c={conns:<2} {name:<9} {run.rps:9.0f} req/s  p50 {run.p50_ms:.3f} ms  "
                 f"p99 {run.p99_ms:.3f} ms  errors {run.errors}")
     for name, url in setup.sse_urls.items():
-        sse = asyncio.run(sse_round(url, SSE_WAVES))
+        sse = sse_round_billed(url, SSE_WAVES, setup.sse_pids[name])
         results.sse.setdefault(name, []).append(sse)
         log(f"round {number} sse {name:<9} ttfb p50 {sse.ttfb_p50:.2f} ms  total p50 {sse.total_p50:.1f} ms  "
             f"gap p50/p99 {sse.gap_p50:.2f}/{sse.gap_p99:.2f} ms")
@@ -448,13 +522,23 @@ def sse_table(results: Results) -> Iterator[str]:
         "chunk gap p50": lambda r: r.gap_p50,
         "chunk gap p99": lambda r: r.gap_p99,
     }
-    yield "| ms | direct | slotproxy | added (proxy − direct, per round) |"
-    yield "|---|---|---|---|"
+    yield "| ms | direct | slotproxy | nginx | aiohttp relay | slotproxy added (− direct, per round) | nginx added |"
+    yield "|---|---|---|---|---|---|---|"
     for label, metric in metrics.items():
-        pairs = zip(results.sse["direct"], results.sse["slotproxy"])
-        added = Spread.of([metric(p) - metric(d) for d, p in pairs])
+        added = {name: Spread.of([metric(p) - metric(d) for d, p in zip(results.sse["direct"], results.sse[name])])
+                 for name in ("slotproxy", "nginx")}
         yield (f"| {label} | {_sse_spread(results, 'direct', metric).fmt()} | "
-               f"{_sse_spread(results, 'slotproxy', metric).fmt()} | {added.fmt()} |")
+               f"{_sse_spread(results, 'slotproxy', metric).fmt()} | {_sse_spread(results, 'nginx', metric).fmt()} | "
+               f"{_sse_spread(results, 'aiohttp', metric).fmt()} | "
+               f"{added['slotproxy'].fmt()} | {added['nginx'].fmt()} |")
+    cpu = {name: Spread.of([r.cpu_ms_per_stream or 0.0 for r in results.sse[name]]) for name in PROXIES}
+    per_chunk = {name: Spread.of([(r.cpu_ms_per_stream or 0.0) * 1000 / SSE_CHUNKS for r in results.sse[name]])
+                 for name in PROXIES}
+    yield ""
+    yield "| proxy CPU | slotproxy | nginx | bare aiohttp relay |"
+    yield "|---|---|---|---|"
+    yield "| ms per stream | " + " | ".join(cpu[name].fmt(3) for name in PROXIES) + " |"
+    yield f"| µs per chunk ({SSE_CHUNKS} a stream) | " + " | ".join(per_chunk[name].fmt(1) for name in PROXIES) + " |"
 
 
 def rss_table(rss: RssResult) -> Iterator[str]:
@@ -483,6 +567,14 @@ def targets_table(results: Results) -> Iterator[str]:
                  ttfb.median <= TARGET_TTFB_ADDED_MS))
     rows.append(("streaming chunk-gap p99 added", f"{gap.fmt()} ms", f"≤ {TARGET_GAP_P99_ADDED_MS} ms",
                  gap.median <= TARGET_GAP_P99_ADDED_MS))
+    cpu = Spread.of([(p.cpu_ms_per_stream or 0.0) / (n.cpu_ms_per_stream or 1e-9)
+                     for p, n in zip(results.sse["slotproxy"], results.sse["nginx"])])
+    rows.append(("proxy CPU per stream, slotproxy / nginx (paired per round)", f"{cpu.fmt(2)}",
+                 f"≤ {TARGET_SSE_CPU_RATIO:g}", cpu.median <= TARGET_SSE_CPU_RATIO))
+    floor = Spread.of([(p.cpu_ms_per_stream or 0.0) / (a.cpu_ms_per_stream or 1e-9)
+                       for p, a in zip(results.sse["slotproxy"], results.sse["aiohttp"])])
+    rows.append(("proxy CPU per stream, slotproxy / bare aiohttp relay (paired)", f"{floor.fmt(2)}", "(floor)",
+                 True))
     if results.rss is not None:
         rss = results.rss
         rows.append(("RSS per held stream", f"{rss.per_stream_kib:.1f} KiB", f"≤ {TARGET_KIB_PER_STREAM:g} KiB",
@@ -533,6 +625,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per wrk run (default 5)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 2 s per wrk run")
+    parser.add_argument("--sse-relay", nargs=2, metavar=("PORT", "UPSTREAM"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.duration = 1, 2.0
@@ -543,6 +636,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sse_relay:
+        run_sse_relay(int(args.sse_relay[0]), args.sse_relay[1])
+        return 0
     for tool in ("nginx", "wrk"):
         if shutil.which(tool) is None:
             print(f"overhead.py: {tool} not found on PATH", file=sys.stderr)

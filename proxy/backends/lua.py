@@ -562,7 +562,10 @@ local hold = tonumber(ARGV[2])
 if hold > 0 and now + hold > hnum(hash, 'held_until', 0) then redis.call('HSET', hash, 'held_until', now + hold) end
 local requests_reset = tonumber(budget.requests_reset_in_ms)
 if type(budget.remaining_requests) == 'number' and requests_reset and requests_reset > 0 then
-  redis.call('HSET', hash, 'left', budget.remaining_requests, 'left_reset', now + requests_reset)
+  local left, same_window = budget.remaining_requests, hnum(hash, 'left_reset', 0) > now
+  -- the same window: an answer to an earlier request does not count the grants made since (LimitLevel)
+  if same_window and hnum(hash, 'left', nil) ~= nil then left = math.min(left, hnum(hash, 'left', nil)) end
+  redis.call('HSET', hash, 'left', left, 'left_reset', now + requests_reset)
 end
 return tostring(next_event(now))
 """

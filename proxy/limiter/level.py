@@ -243,9 +243,12 @@ class LimitLevel:
     def report_budget(self, budget: Budget) -> None:
         """The provider's latest word on this level's windows; a ``held_until`` still ahead holds it."""
         self.budget = budget
-        reset = budget.requests_reset
-        if budget.remaining_requests is not None and reset is not None and reset > self._clock.time():
-            self._requests_left, self._requests_reset = budget.remaining_requests, reset
+        reset, remaining, now = budget.requests_reset, budget.remaining_requests, self._clock.time()
+        if remaining is not None and reset is not None and reset > now:
+            if self._requests_left is not None and now < self._requests_reset:
+                # The same window: an answer to an earlier request does not count the grants made since.
+                remaining = min(remaining, self._requests_left)
+            self._requests_left, self._requests_reset = remaining, reset
         if budget.held_until is not None:
             self._hold_until(budget.held_until)
 

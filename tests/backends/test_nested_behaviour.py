@@ -212,3 +212,19 @@ async def test_grants_after_an_answer_count_against_the_requests_it_said_were_le
     assert time.monotonic() - started >= 0.4, "the window's last request was granted: the next waits for its reset"
     for lease in (*two, third):
         lease.release()
+
+
+async def test_a_late_answer_in_the_same_window_does_not_give_back_grants_made_since(backend) -> None:
+    await setup(backend, limit=10, budgets=True)
+    reset = time.time() + 0.8
+    backend.report_budget("p", Budget(remaining_requests=3, reset_at=reset, requests_reset=reset))
+    await backend.flush()
+    leases = [await take(backend) for _ in range(2)]
+    backend.report_budget("p", Budget(remaining_requests=2, reset_at=reset, requests_reset=reset))  # an older answer
+    await backend.flush()
+    leases.append(await take(backend))
+    started = time.monotonic()
+    leases.append(await take(backend))
+    assert time.monotonic() - started >= 0.3, "three were left, three were granted: the fourth waits for the reset"
+    for lease in leases:
+        lease.release()
