@@ -321,8 +321,11 @@ class Exchange:
         """A small fixed-length answer: headers and body leave in one write, still before the slot is released."""
         response = self._answer(web.Response(status=upstream.status, reason=upstream.reason, body=body,
                                              headers=self._response_headers(upstream)), upstream)
-        await _to_client(response.prepare(self.request))
-        await _to_client(response.write_eof())
+        try:  # _to_client's job, written out for both writes
+            await response.prepare(self.request)
+            await response.write_eof()
+        except ConnectionError as exc:
+            raise _ClientGone from exc
         return response
 
     def _response_headers(self, upstream: aiohttp.ClientResponse) -> list[tuple[str, str]]:

@@ -1,12 +1,21 @@
-"""Prometheus metrics: counters the relay bumps, gauges read from the status snapshot."""
+"""Prometheus metrics: counters the relay bumps, gauges read from the status snapshot.
+
+The two updates every request makes (its answer's status, its queue wait) are plain
+integers and a bucket array here, read out when ``/metrics`` is scraped: a request
+pays an index and an add, not prometheus-client's locked per-sample updates."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
-from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from ..limiter import ProviderStatus
@@ -15,6 +24,46 @@ __all__ = ["CONTENT_TYPE", "Metrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
+
+
+class _WaitHistogram:
+    """One provider's queue waits: a count per bucket (the last one +Inf) and the sum."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(_WAIT_BUCKETS)
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(_WAIT_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    def buckets(self) -> list[tuple[str, float]]:
+        running, out = 0, []
+        for bound, count in zip(_WAIT_BUCKETS, self.counts, strict=True):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+        return out
+
+
+class _PerRequestCollector(Collector):
+    """Requests answered (by status) and queue waits, from the plain counts ``Metrics`` keeps."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterable[Metric]:
+        requests = CounterMetricFamily("slotproxy_requests", "Requests answered, by the status the client received",
+                                       labels=["provider", "status"])
+        for (provider, status), count in list(self._metrics.request_counts.items()):
+            requests.add_metric([provider, status], count)
+        yield requests
+        waits = HistogramMetricFamily("slotproxy_queue_wait_seconds", "Time requests waited for a slot",
+                                      labels=["provider"])
+        for provider, histogram in list(self._metrics.waits.items()):
+            waits.add_metric([provider], histogram.buckets(), histogram.total)
+        yield waits
 
 
 class _SnapshotCollector(Collector):
@@ -81,14 +130,6 @@ class Metrics:
     def __init__(self, snapshot: Callable[[], list[ProviderStatus]],
                  backend: Callable[[], dict[str, object]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.requests = Counter(
-            "slotproxy_requests", "Requests answered, by the status the client received",
-            ["provider", "status"], registry=self.registry,
-        )
-        self.queue_wait = Histogram(
-            "slotproxy_queue_wait_seconds", "Time requests waited for a slot",
-            ["provider"], buckets=_WAIT_BUCKETS, registry=self.registry,
-        )
         self.backoffs = Counter(
             "slotproxy_upstream_backoff", "Upstream backoff answers (429, 529, in-stream rate-limit errors)",
             ["provider", "status"], registry=self.registry,
@@ -97,22 +138,21 @@ class Metrics:
             "slotproxy_invalid_priority_headers", "Priority headers with an invalid value (default used)",
             ["header"], registry=self.registry,
         )
+        self.request_counts: dict[tuple[str, str], int] = {}
+        self.waits: dict[str, _WaitHistogram] = {}
+        self.registry.register(_PerRequestCollector(self))
         self.registry.register(_SnapshotCollector(snapshot, backend))
-        self._request_children: dict[tuple[str, str], Any] = {}
-        self._wait_children: dict[str, Any] = {}
 
     def count_request(self, provider: str, status: str) -> None:
-        """Per-request hot path: the labelled child is looked up once, then cached."""
-        child = self._request_children.get((provider, status))
-        if child is None:
-            child = self._request_children[(provider, status)] = self.requests.labels(provider, status)
-        child.inc()
+        key = (provider, status)
+        counts = self.request_counts
+        counts[key] = counts.get(key, 0) + 1
 
     def observe_wait(self, provider: str, seconds: float) -> None:
-        child = self._wait_children.get(provider)
-        if child is None:
-            child = self._wait_children[provider] = self.queue_wait.labels(provider)
-        child.observe(seconds)
+        histogram = self.waits.get(provider)
+        if histogram is None:
+            histogram = self.waits[provider] = _WaitHistogram()
+        histogram.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
