@@ -40,7 +40,8 @@ class _WaitHistogram:
         self.total += seconds
 
     def buckets(self) -> list[tuple[str, float]]:
-        running, out = 0, []
+        running = 0
+        out: list[tuple[str, float]] = []
         for bound, count in zip(_WAIT_BUCKETS, self.counts, strict=True):
             running += count
             out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))

@@ -50,10 +50,10 @@ class _Loader(yaml.SafeLoader):
         self.depth = 0
         self._subtree_sizes: dict[int, int] = {}
 
-    def compose_node(self, parent: Node | None, index: object) -> Node:
+    def compose_node(self, parent: Node | None, index: int) -> Node | None:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            node: Node = super().compose_node(parent, index)
+            node = super().compose_node(parent, index)
             size = self._subtree_sizes.get(id(node))
             if size is None:
                 raise ComposerError(
@@ -71,7 +71,8 @@ class _Loader(yaml.SafeLoader):
             node = super().compose_node(parent, index)
         finally:
             self.depth -= 1
-        self._subtree_sizes[id(node)] = self.expanded_nodes - before
+        if node is not None:
+            self._subtree_sizes[id(node)] = self.expanded_nodes - before
         return node
 
     def _count(self, nodes: int) -> None:
