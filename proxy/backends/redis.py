@@ -207,8 +207,8 @@ class _Waiter:
     ``expiring``: its queue_timeout passed and its CANCEL is on the way; a grant that lands now is
     handed back by that CANCEL, not taken."""
 
-    __slots__ = ("asked_at", "client_bound", "client_wait", "expiring", "future", "gone", "in_redis", "local",
-                 "model", "pattern", "priority", "provider", "seq", "wait_limit", "waiter_id")
+    __slots__ = ("asked_at", "client_bound", "client_wait", "deadline", "deadline_armed", "expiring", "future", "gone",
+                 "in_redis", "local", "model", "pattern", "priority", "provider", "seq", "wait_limit", "waiter_id")
 
     def __init__(self, waiter_id: str, future: asyncio.Future[RedisLease], provider: str, priority: Priority,
                  asked_at: float) -> None:
@@ -227,6 +227,8 @@ class _Waiter:
         self.client_wait: float | None = None
         self.model: str | None = None
         self.pattern: str | None = None
+        self.deadline: float | None = None
+        self.deadline_armed = False
 
     @property
     def queued(self) -> bool:
@@ -427,9 +429,8 @@ class RedisBackend:
         waiter.model = model
         if settings.models:
             waiter.pattern = policy.model_pattern(model, [cap.pattern for cap in settings.models])
+        waiter.deadline = None if waiter.wait_limit is None else self.clock.time() + waiter.wait_limit
         self._waiters[waiter_id] = waiter
-        if waiter.wait_limit is not None and waiter.wait_limit > 0:
-            self._deadlines.add(waiter, self.clock.time() + waiter.wait_limit)
         granted: SlotLease | None = None
         try:
             granted = await self._wait_for_grant(waiter_id, waiter, settings, seq)
@@ -437,9 +438,18 @@ class RedisBackend:
         finally:
             waiter.gone = True  # a grant straight from ENQUEUE's answer never sets the future
             del self._waiters[waiter_id]
-            self._deadlines.settle(len(self._waiters))
+            if waiter.deadline_armed:
+                self._deadlines.settle(len(self._waiters))
             if granted is None:
                 self._abandon(waiter_id, waiter)
+
+    def _arm_deadline(self, waiter: _Waiter) -> None:
+        """The queue deadline, once the waiter is known to wait (a grant straight from ENQUEUE's answer,
+        the common case, needs none): it keeps the time it asked at, so nothing is lost by arming it late."""
+        if waiter.deadline_armed or waiter.deadline is None or waiter.wait_limit is None or waiter.wait_limit <= 0:
+            return
+        waiter.deadline_armed = True
+        self._deadlines.add(waiter, waiter.deadline)
 
     def _abandon(self, waiter_id: str, waiter: _Waiter) -> None:
         """The caller left (cancel, timeout, shutdown): leave the queue, or hand back a grant it never took."""
@@ -489,6 +499,7 @@ class RedisBackend:
                     waiter.local = True
                     return await self._local.acquire(waiter.provider, waiter.priority, seq=seq,
                                                      client_wait=waiter.client_wait, model=waiter.model)
+                self._arm_deadline(waiter)
                 await self._wait_or_expire(waiter)
         status, detail, waiter.seq = int(result[0]), _text(result[1]), int(result[2])
         if waiter.expiring:
@@ -505,6 +516,7 @@ class RedisBackend:
         if status == 1:
             return self._adopt(waiter_id, waiter, detail)
         waiter.in_redis = True
+        self._arm_deadline(waiter)
         if waiter.wait_limit is not None and waiter.wait_limit <= 0:
             self._expire(waiter)  # no time to wait at all: answered as soon as it is known to queue
         self._schedule_dispatch(waiter.provider, int(detail))
