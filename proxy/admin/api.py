@@ -7,8 +7,8 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
@@ -18,6 +18,9 @@ from ..headers import valid_label
 from ..keys import STATE
 from ..limiter import validate_limit
 from ..state import TooManyStars
+
+if TYPE_CHECKING:
+    from ..backends import Backend
 
 __all__ = ["add_routes"]
 
@@ -162,28 +165,26 @@ async def put_limit(request: web.Request) -> web.Response:
     return await _provider_write(request, _limit_from, apply)
 
 
-async def put_key_limit(request: web.Request) -> web.Response:
-    """A pool key's limit: the same body and rules as the provider's (404 for a key it does not have)."""
-    backend = request.app[STATE].backend
-    key = request.match_info["key"]
+def _level_limit(what: str, name_key: str, set_level_limit: Callable[[Backend, str, str, int | None], None]) \
+        -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A PUT for a pool key's or a model cap's limit: the provider limit's body and rules, 404 for a name
+    the provider does not have (the backend raises UnknownLimit)."""
 
-    def apply(provider: str, limit: int | None) -> str:
-        backend.set_key_limit(provider, key, limit)
-        return f"key={key} limit set to {'unlimited' if limit is None else limit}"
+    async def put(request: web.Request) -> web.Response:
+        backend = request.app[STATE].backend
+        name = request.match_info[name_key]
 
-    return await _provider_write(request, _limit_from, apply)
+        def apply(provider: str, limit: int | None) -> str:
+            set_level_limit(backend, provider, name, limit)
+            return f"{what}={name} limit set to {'unlimited' if limit is None else limit}"
+
+        return await _provider_write(request, _limit_from, apply)
+
+    return put
 
 
-async def put_model_limit(request: web.Request) -> web.Response:
-    """A model cap's limit; the pattern comes URL-encoded (``claude-opus-%2A``)."""
-    backend = request.app[STATE].backend
-    pattern = request.match_info["pattern"]
-
-    def apply(provider: str, limit: int | None) -> str:
-        backend.set_model_limit(provider, pattern, limit)
-        return f"model={pattern} limit set to {'unlimited' if limit is None else limit}"
-
-    return await _provider_write(request, _limit_from, apply)
+put_key_limit = _level_limit("key", "key", lambda backend, *args: backend.set_key_limit(*args))
+put_model_limit = _level_limit("model", "pattern", lambda backend, *args: backend.set_model_limit(*args))
 
 
 async def put_cooldown(request: web.Request) -> web.Response:
