@@ -28,6 +28,7 @@ _ERROR_CODES = {404: UnknownProvider, 400: BadRequest}
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 _PREFLIGHT_METHODS = "GET, HEAD, POST, PUT, DELETE"
 _MAX_REFLECTED = 1024
+_MAX_BACKLOG = 65535
 
 
 @web.middleware
@@ -164,7 +165,11 @@ async def start_server(state: ProxyState, host: str, port: int) -> tuple[web.App
     state.listen_on(host)
     runner = GuardedRunner(build_app(state), state.connections, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    # A fleet that starts together connects together: aiohttp's default backlog of 128 overflows at a
+    # thousand agents a second (SYNs dropped, a second's retransmit each), so the queue is sized to the
+    # connections the proxy takes (the kernel caps it at net.core.somaxconn).
+    site = web.TCPSite(runner, host, port, reuse_address=True,
+                       backlog=min(state.config.server.max_connections, _MAX_BACKLOG))
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
     return runner, bound
