@@ -496,3 +496,27 @@ async def test_a_request_the_parser_refuses_gets_400_bad_request_echoing_nothing
     assert not any(word in answer.lower() for word in ("aiohttp", "python")), answer
     assert SECRET not in caplog.text
     assert rec.seen == []
+
+
+async def test_a_fleet_connecting_at_once_is_queued_by_the_listener_not_dropped(start_upstream, start_proxy) -> None:
+    """300 connections arrive while the proxy's loop is busy: the kernel completes every handshake into the
+    listen queue (sized to server.max_connections), where aiohttp's default backlog of 128 drops the rest."""
+    import select
+    import time
+
+    upstream = await start_upstream()
+    proxy = await start_proxy(f"state: {{path: null}}\nserver: {{max_connections: 1000}}\nproviders:\n"
+                              f"  openai: {{upstream: '{upstream.url}/v1'}}\n")
+    sockets = [socket.socket() for _ in range(300)]
+    try:
+        for sock in sockets:
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", proxy.port))
+        pending, deadline = set(sockets), time.monotonic() + 1.0  # the loop accepts nothing meanwhile
+        while pending and time.monotonic() < deadline:
+            _, writable, _ = select.select([], list(pending), [], 0.05)
+            pending -= {sock for sock in writable if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0}
+        assert not pending, f"{len(pending)} of 300 handshakes not completed: the listen queue overflowed"
+    finally:
+        for sock in sockets:
+            sock.close()
