@@ -273,7 +273,6 @@ class RedisBackend:
         self._ids = itertools.count()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending: set[asyncio.Future[Any]] = set()
-        self._signals: set[asyncio.Task[Any]] = set()
         self._snapshot: dict[str, ProviderStatus] = {}
         self._reclaims: dict[str, int] = {}
         self._local = MemoryBackend(self.clock)
@@ -307,13 +306,6 @@ class RedisBackend:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._redis.aclose(close_connection_pool=True)
-
-    def _signal(self, coro: Any) -> None:
-        """A backoff or a budget on its way to Redis: requests that ask for a slot meanwhile wait for it,
-        so a retry after a 429 never reaches Redis before the pause its 429 caused."""
-        task = self._spawn(coro)
-        self._signals.add(task)
-        task.add_done_callback(self._signals.discard)
 
     def _spawn(self, coro: Any, *, keep: bool = False) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -419,8 +411,6 @@ class RedisBackend:
             raise UnknownProvider.named(provider)
         if not self.healthy and self._mode == "local":
             return await self._local.acquire(provider, priority, seq=seq, client_wait=client_wait, model=model)
-        if self._signals:
-            await asyncio.gather(*list(self._signals), return_exceptions=True)
         loop = asyncio.get_running_loop()
         waiter_id = f"{self.replica}-{next(self._ids)}"
         waiter = _Waiter(waiter_id, loop.create_future(), provider, priority, loop.time())
@@ -582,26 +572,34 @@ class RedisBackend:
     # ----- release, renew, dispatch ------------------------------------------------
 
     def _release(self, lease: RedisLease) -> None:
-        """Once per request: the RELEASE joins this loop turn's batch with no task of its own."""
         self._leases.pop(lease.lease_id, None)
         provider = lease.provider
-        answer = self._batch.call("RELEASE", keys=self._keys_of(provider), args=(
-            lease.lease_id, lease.waiter_id, self._lease_ttl_ms, self._channel))
+        self._send("RELEASE", provider, (lease.lease_id, lease.waiter_id, self._lease_ttl_ms, self._channel),
+                   lambda answer: self._schedule_dispatch(provider, int(_text(answer[1]))))
+
+    def _send(self, name: str, provider: str, args: tuple[Any, ...],
+              on_answer: Callable[[Any], None] | None = None) -> None:
+        """A write nobody waits for (a release, a backoff, a budget): it joins this loop turn's batch at
+        once, with no task of its own, so it reaches Redis before any call made after it (a retry's
+        ENQUEUE never overtakes the BACKOFF its 429 caused). ``flush()`` waits for it."""
+        answer = self._batch.call(name, keys=self._keys_of(provider), args=args)
         self._pending.add(answer)
         answer.add_done_callback(self._pending.discard)
-        answer.add_done_callback(functools.partial(self._released, provider))
+        answer.add_done_callback(functools.partial(self._answered, name, provider, on_answer))
 
-    def _released(self, provider: str, answer: asyncio.Future[Any]) -> None:
+    def _answered(self, name: str, provider: str, on_answer: Callable[[Any], None] | None,
+                  answer: asyncio.Future[Any]) -> None:
         if answer.cancelled():
             return
         error = answer.exception()
         if isinstance(error, ResponseError):
-            log.error("redis script RELEASE failed for provider=%s: %s", provider, error)
+            log.error("redis script %s failed for provider=%s: %s", name, provider, error)
         elif isinstance(error, RedisError):
             self._mark_unhealthy(error)
         elif error is None:
             self._mark_healthy()
-            self._schedule_dispatch(provider, int(_text(answer.result()[1])))
+            if on_answer is not None:
+                on_answer(answer.result())
 
     def _schedule_dispatch(self, provider: str, at_ms: int) -> None:
         """Run a dispatch when a pause or cooldown ends, if this replica has waiters then."""
@@ -708,8 +706,7 @@ class RedisBackend:
         default = policy.default_pause(reduce, settings.default_pause, settings.overload_pause)
         wait_ms = int(policy.pause_length(wait, default) * 1000)
         template = policy.auto_reduce_notice("{N}", cause)
-        self._signal(self._guarded("BACKOFF", provider, cause, wait_ms, int(sent_at * 1000), template,
-                                   "1" if reduce else "0", level))
+        self._send("BACKOFF", provider, (cause, wait_ms, int(sent_at * 1000), template, "1" if reduce else "0", level))
         if not self.healthy:
             self._local.report_backoff(provider, cause, wait, sent_at, reduce=reduce, key=key)
 
@@ -725,14 +722,10 @@ class RedisBackend:
         summary = json.dumps({"remaining_requests": budget.remaining_requests,
                               "remaining_tokens": budget.remaining_tokens, "reset_in_ms": reset_in,
                               "requests_reset_in_ms": requests_reset_in})
-        self._signal(self._budget_script(provider, level, hold_ms, summary))
+        self._send("BUDGET", provider, (level, hold_ms, summary),
+                   lambda next_at: self._schedule_dispatch(provider, int(_text(next_at))))
         if not self.healthy:
             self._local.report_budget(provider, budget, key)
-
-    async def _budget_script(self, provider: str, level: str, hold_ms: int, summary: str) -> None:
-        next_at = await self._guarded("BUDGET", provider, level, hold_ms, summary)
-        if next_at is not None:
-            self._schedule_dispatch(provider, int(_text(next_at)))
 
     @staticmethod
     def _key_level(settings: LimiterSettings | None, key: str | None) -> str | None:
