@@ -13,7 +13,6 @@ the gap between slotproxy and the target can be read as "slotproxy's own cost" a
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shutil
 import signal
 import sys
@@ -27,12 +26,14 @@ from common import (
     Processes,
     Spread,
     WrkFigures,
+    bare_relay,
     cpu_seconds,
     free_port,
     log,
     machine_note,
     nginx_version,
     raise_on_sigterm,
+    run_loop,
     run_wrk,
     static_nginx_conf,
     wait_http,
@@ -45,36 +46,8 @@ TARGET_RATIO = 0.20
 PATHS = ("nginx", "slotproxy", "aiohttp ×1", "aiohttp ×2")
 
 
-async def _relay(port: int, upstream: str) -> None:
-    import aiohttp
-    from aiohttp import web
-
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
-                                    cookie_jar=aiohttp.DummyCookieJar())
-
-    async def handler(request: web.Request) -> web.Response:
-        body = await request.read()
-        async with session.post(upstream + request.match_info["rest"], data=body,
-                                headers={"Content-Type": "application/json"}) as answer:
-            data = await answer.read()
-            return web.Response(body=data, status=answer.status,
-                                headers={"Content-Type": answer.headers.get("Content-Type", "application/json")})
-
-    app = web.Application()
-    app.router.add_post("/bench/{rest:.*}", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, HOST, port, reuse_port=True).start()
-    await asyncio.Event().wait()
-
-
 def run_relay(port: int, upstream: str) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(_relay(port, upstream))
-    else:
-        uvloop.run(_relay(port, upstream))
+    run_loop(bare_relay(port, upstream, "/bench/", streaming=False))
 
 
 def start_relays(procs: Processes, name: str, count: int, upstream: str) -> tuple[str, list[int]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
+import multiprocessing.connection
 import os
 import platform
 import resource
@@ -121,6 +123,11 @@ def get_json(url: str, timeout: float = 5.0) -> Any:
         return json.load(response)
 
 
+def split(total: int, parts: int) -> list[int]:
+    """``total`` dealt into ``parts`` shares that differ by one at most."""
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
 def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
     """Run on uvloop when it is installed, like ``slotproxy serve``; else asyncio."""
     try:
@@ -128,6 +135,100 @@ def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+# --- the bare aiohttp relay (ceiling.py, overhead.py): the floor slotproxy is measured against ---
+
+
+async def bare_relay(port: int, upstream: str, prefix: str, *, streaming: bool) -> None:
+    """Read the body, forward it with one pooled ClientSession, answer: no limiter, no header rules, no
+    metrics. ``streaming``: write each upstream chunk on as it arrives (else read the answer whole).
+    Serves ``POST {prefix}{rest}`` → ``{upstream}{rest}`` on ``port`` (SO_REUSEPORT, so several may share it)."""
+    from aiohttp import web
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
+                                    cookie_jar=aiohttp.DummyCookieJar())
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        async with session.post(upstream + request.match_info["rest"], data=body,
+                                headers={"Content-Type": "application/json"}) as answer:
+            if not streaming:
+                data = await answer.read()
+                return web.Response(body=data, status=answer.status, headers={
+                    "Content-Type": answer.headers.get("Content-Type", "application/json")})
+            response = web.StreamResponse(status=answer.status, headers={
+                "Content-Type": answer.headers.get("Content-Type", "text/event-stream")})
+            await response.prepare(request)
+            async for chunk in answer.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    app = web.Application()
+    app.router.add_post(prefix + "{rest:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, HOST, port, reuse_port=True).start()
+    await asyncio.Event().wait()
+
+
+# --- client processes (streams.py, soak.py) ------------------------------------------
+
+
+def serve_client(loop: Coroutine[Any, Any, Any]) -> None:
+    """The body of a spawned client process: its parent decides when it stops (SIGINT is ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise_nofile()
+    run_loop(loop)
+
+
+class ClientPool:
+    """Client processes spawned to run ``target(conn)``, each at the far end of a pipe of its own.
+
+    Each benchmark speaks its own commands over the pipes; a pool only starts, answers and ends them."""
+
+    def __init__(self, count: int, target: Any) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.pipes: list[multiprocessing.connection.Connection] = []
+        self.procs: list[Any] = []
+        for _ in range(count):
+            parent, child = context.Pipe()
+            proc = context.Process(target=target, args=(child,), daemon=True)
+            proc.start()
+            child.close()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+
+    @property
+    def pids(self) -> list[int]:
+        return [int(proc.pid) for proc in self.procs]
+
+    @staticmethod
+    def reply(pipe: multiprocessing.connection.Connection, timeout: float) -> dict[str, Any]:
+        if not pipe.poll(timeout):
+            raise RuntimeError(f"a client process did not answer within {timeout:.0f}s")
+        return dict(pipe.recv())
+
+    def send_stop(self) -> None:
+        for pipe in self.pipes:
+            try:
+                pipe.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+
+    def kill(self) -> None:
+        """Wait for each to end, then terminate, then kill what is left; close the pipes."""
+        for proc in self.procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for pipe in self.pipes:
+            pipe.close()
 
 
 # --- machine note --------------------------------------------------------------------

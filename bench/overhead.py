@@ -69,6 +69,7 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     Processes,
     Spread,
     WrkFigures,
+    bare_relay,
     children_of,
     cpu_seconds,
     free_port,
@@ -82,6 +83,7 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     raise_nofile,
     raise_on_sigterm,
     rss_kib,
+    run_loop,
     run_wrk,
     start_fake_upstream,
     start_serve,
@@ -407,41 +409,8 @@ def start_servers(procs: Processes) -> Setup:
     return Setup(targets, sse_urls, sse_pids)
 
 
-async def _sse_relay(port: int, upstream: str) -> None:
-    """The bare aiohttp streaming relay: read the body, forward it, write each chunk as it comes."""
-    from aiohttp import web
-
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False,
-                                    cookie_jar=aiohttp.DummyCookieJar())
-
-    async def handler(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        async with session.post(upstream + request.match_info["rest"], data=body,
-                                headers={"Content-Type": "application/json"}) as answer:
-            response = web.StreamResponse(status=answer.status, headers={
-                "Content-Type": answer.headers.get("Content-Type", "text/event-stream")})
-            await response.prepare(request)
-            async for chunk in answer.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
-
-    app = web.Application()
-    app.router.add_post("/sse/{rest:.*}", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, HOST, port).start()
-    await asyncio.Event().wait()
-
-
 def run_sse_relay(port: int, upstream: str) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        runner = asyncio.run
-    else:
-        runner = uvloop.run
-    runner(_sse_relay(port, upstream))
+    run_loop(bare_relay(port, upstream, "/sse/", streaming=True))
 
 
 def warm_up(setup: Setup, lua: Path) -> None:

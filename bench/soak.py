@@ -94,6 +94,7 @@ from typing import Any
 import aiohttp
 from common import (  # bench/common.py: this directory is sys.path[0] when run as a script
     HOST,
+    ClientPool,
     Processes,
     free_port,
     get_json,
@@ -105,6 +106,8 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     raise_on_sigterm,
     rss_kib,
     run_loop,
+    serve_client,
+    split,
     start_fake_upstream,
     start_serve,
 )
@@ -143,10 +146,6 @@ TARGET_GAP_P99_ADDED_MS = 5.0
 
 
 # --- small helpers -------------------------------------------------------------------
-
-
-def split(total: int, parts: int) -> list[int]:
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
 # --- servers -------------------------------------------------------------------------
@@ -319,62 +318,29 @@ async def _client_loop(conn: multiprocessing.connection.Connection) -> None:
 
 def client_main(conn: multiprocessing.connection.Connection) -> None:
     """Entry point of a spawned client process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
-    raise_nofile()
-    run_loop(_client_loop(conn))
+    serve_client(_client_loop(conn))
 
 
-class Clients:
+class Clients(ClientPool):
     """The spawned client processes; every command goes to all of them, split evenly."""
 
     def __init__(self, count: int) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.pipes: list[multiprocessing.connection.Connection] = []
-        self.procs: list[Any] = []
-        for _ in range(count):
-            parent, child = context.Pipe()
-            proc = context.Process(target=client_main, args=(child,), daemon=True)
-            proc.start()
-            child.close()
-            self.pipes.append(parent)
-            self.procs.append(proc)
+        super().__init__(count, client_main)
 
     def command(self, kind: str, url: str, total: int, timeout: float) -> list[dict[str, Any]]:
         for pipe, share in zip(self.pipes, split(total, len(self.pipes))):
             pipe.send((kind, url, share, timeout))
-        return [self._reply(pipe, timeout + 30) for pipe in self.pipes]
+        return [self.reply(pipe, timeout + 30) for pipe in self.pipes]
 
     def stop(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        self.send_stop()
         replies = []
         for pipe in self.pipes:
             try:
-                pipe.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-        for pipe in self.pipes:
-            try:
-                replies.append(self._reply(pipe, timeout))
+                replies.append(self.reply(pipe, timeout))
             except (RuntimeError, EOFError, OSError) as exc:
                 replies.append({"error": str(exc)})
         return replies
-
-    @staticmethod
-    def _reply(pipe: multiprocessing.connection.Connection, timeout: float) -> dict[str, Any]:
-        if not pipe.poll(timeout):
-            raise RuntimeError(f"a client process did not answer within {timeout:.0f}s")
-        return dict(pipe.recv())
-
-    def kill(self) -> None:
-        for proc in self.procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        for pipe in self.pipes:
-            pipe.close()
 
 
 # --- this process: admin calls and the measured streams ------------------------------

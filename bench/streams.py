@@ -92,6 +92,7 @@ from typing import Any
 import aiohttp
 from common import (  # bench/common.py: this directory is sys.path[0] when run as a script
     HOST,
+    ClientPool,
     Processes,
     Spread,
     cpu_seconds,
@@ -101,7 +102,7 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     pct,
     raise_nofile,
     raise_on_sigterm,
-    run_loop,
+    serve_client,
     start_fake_upstream,
 )
 from overhead import start_slotproxy
@@ -116,10 +117,6 @@ SETTLE_S = 1.0
 TCP_COUNTERS = ("ListenOverflows", "TCPSynRetrans")
 TARGET_LEVEL = 1000
 TARGET_ADDED_P99_MS = 5.0
-
-
-def split(total: int, parts: int) -> list[int]:
-    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
 # --- client processes ----------------------------------------------------------------
@@ -228,29 +225,14 @@ async def _client_loop(conn: multiprocessing.connection.Connection) -> None:
 
 def client_main(conn: multiprocessing.connection.Connection) -> None:
     """Entry point of a spawned client process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
-    raise_nofile()
-    run_loop(_client_loop(conn))
+    serve_client(_client_loop(conn))
 
 
-class Clients:
+class Clients(ClientPool):
     """The spawned client processes; a run's streams are dealt to them in turn."""
 
     def __init__(self, count: int) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.pipes: list[multiprocessing.connection.Connection] = []
-        self.procs: list[Any] = []
-        for _ in range(count):
-            parent, child = context.Pipe()
-            proc = context.Process(target=client_main, args=(child,), daemon=True)
-            proc.start()
-            child.close()
-            self.pipes.append(parent)
-            self.procs.append(proc)
-
-    @property
-    def pids(self) -> list[int]:
-        return [int(proc.pid) for proc in self.procs]
+        super().__init__(count, client_main)
 
     def send_run(self, jobs: list[tuple[str, float]], t0: float, steady: tuple[float, float], chunks: int,
                  delay_ms: float, timeout: float) -> None:
@@ -259,29 +241,11 @@ class Clients:
             pipe.send(("run", jobs[index::count], t0, steady, chunks, delay_ms, timeout))
 
     def replies(self, timeout: float) -> list[dict[str, Any]]:
-        replies = []
-        for pipe in self.pipes:
-            if not pipe.poll(timeout):
-                raise RuntimeError(f"a client process did not answer within {timeout:.0f}s")
-            replies.append(dict(pipe.recv()))
-        return replies
+        return [self.reply(pipe, timeout) for pipe in self.pipes]
 
     def kill(self) -> None:
-        for pipe in self.pipes:
-            try:
-                pipe.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in self.procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        for pipe in self.pipes:
-            pipe.close()
+        self.send_stop()
+        super().kill()
 
 
 # --- one run -------------------------------------------------------------------------
