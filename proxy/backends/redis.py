@@ -706,7 +706,17 @@ class RedisBackend:
         default = policy.default_pause(reduce, settings.default_pause, settings.overload_pause)
         wait_ms = int(policy.pause_length(wait, default) * 1000)
         template = policy.auto_reduce_notice("{N}", cause)
-        self._send("BACKOFF", provider, (cause, wait_ms, int(sent_at * 1000), template, "1" if reduce else "0", level))
+        label = f"provider={provider}" if key is None else f"provider={provider} key={key}"
+
+        def logged(answer: Any) -> None:
+            """The same lines the memory backend's LimitLevel logs: the pause, and a reduction's notice."""
+            reduced, limit = int(answer[0]), _text(answer[1])
+            log.warning("%s paused for %.1fs after a %s", label, wait_ms / 1000, cause)
+            if reduced:
+                log.warning("%s %s", label, policy.auto_reduce_notice(limit, cause))
+
+        self._send("BACKOFF", provider, (cause, wait_ms, int(sent_at * 1000), template, "1" if reduce else "0", level),
+                   logged)
         if not self.healthy:
             self._local.report_backoff(provider, cause, wait, sent_at, reduce=reduce, key=key)
 

@@ -228,3 +228,15 @@ async def test_a_late_answer_in_the_same_window_does_not_give_back_grants_made_s
     assert time.monotonic() - started >= 0.3, "three were left, three were granted: the fourth waits for the reset"
     for lease in leases:
         lease.release()
+
+
+async def test_a_key_backoff_is_logged_with_its_notice(backend, caplog) -> None:
+    await setup(backend, keys=POOL)
+    lease = await take(backend)
+    with caplog.at_level("WARNING"):
+        backend.report_backoff("p", "429", 1.0, lease.granted_at, key=lease.key)
+        await status(backend)
+    lease.release()
+    lines = [record.getMessage() for record in caplog.records]
+    assert "provider=p key=a paused for 1.0s after a 429" in lines
+    assert f"provider=p key=a {auto_reduce_notice(1, '429')}" in lines
