@@ -706,7 +706,7 @@ class RedisBackend:
         default = policy.default_pause(reduce, settings.default_pause, settings.overload_pause)
         wait_ms = int(policy.pause_length(wait, default) * 1000)
         template = policy.auto_reduce_notice("{N}", cause)
-        label = f"provider={provider}" if key is None else f"provider={provider} key={key}"
+        label = str(policy.LimitKey(provider, key=key))
 
         def logged(answer: Any) -> None:
             """The same lines the memory backend's LimitLevel logs: the pause, and a reduction's notice."""
@@ -962,13 +962,15 @@ def _blocked(fields: dict[str, str], name: str, now: int) -> int | None:
 
 
 def _budget_status(fields: dict[str, str], now: int) -> dict[str, int | None]:
-    remaining_requests = remaining_tokens = reset_at = None
+    """A level's budget as status shows it (``Budget.to_dict``, as the memory backend gives it)."""
+    budget = Budget()
     raw = fields.get("budget")
     if raw:
         remaining_requests, remaining_tokens, reset = json.loads(raw)
-        reset_at = int(reset) if reset not in ("", None) else None
-    return {"remaining_requests": remaining_requests, "remaining_tokens": remaining_tokens,
-            "reset_at": reset_at, "held_until": _blocked(fields, "held_until", now)}
+        budget = Budget(remaining_requests=remaining_requests, remaining_tokens=remaining_tokens,
+                        reset_at=int(reset) / 1000 if reset not in ("", None) else None)
+    held = _blocked(fields, "held_until", now)
+    return budget.to_dict(None if held is None else held / 1000)
 
 
 def _key_status(name: str, available: bool, fields: dict[str, str], count: int, now: int,

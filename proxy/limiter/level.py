@@ -324,10 +324,4 @@ class LimitLevel:
         self._on_room()
 
     def _label(self) -> str:
-        key = self.key
-        label = f"provider={key.provider}"
-        if key.key is not None:
-            label += f" key={key.key}"
-        elif key.model is not None:
-            label += f" model={key.model}"
-        return label
+        return str(self.key)

@@ -79,11 +79,12 @@ class LimitKey:
     model: str | None = None
 
     def __str__(self) -> str:
+        """As every backend's log lines name it: ``provider=anthropic key=team-a``."""
         if self.key is not None:
-            return f"{self.provider} key={self.key}"
+            return f"provider={self.provider} key={self.key}"
         if self.model is not None:
-            return f"{self.provider} model={self.model}"
-        return self.provider
+            return f"provider={self.provider} model={self.model}"
+        return f"provider={self.provider}"
 
 
 def validate_limit(limit: object) -> int | None:
