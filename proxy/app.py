@@ -1,27 +1,27 @@
-"""The aiohttp application: routes, the guarding middleware, the history sampler, and starting the server."""
+"""The aiohttp application: routes, the guard around it, the history sampler, and starting the server."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from functools import partial
 
 import aiohttp
 from aiohttp import web
-from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.web_request import BaseRequest
 
 from .admin import history
 from .admin import routes as admin_routes
-from .connections import GuardedRunner
+from .answers import ALLOWED_ORIGIN, Answer, json_answer
+from .connections import GuardedRunner, Handler
 from .errors import BadRequest, BodyTooLarge, Forbidden, ProxyError, UnknownProvider
 from .guard import check_path
-from .keys import ALLOWED_ORIGIN, PROVIDER, STATE, UNTYPED_BODY, error_response
+from .keys import PROVIDER, STATE, error_response
 from .relay import proxy_handler
 from .runtime import ProxyState
 
-__all__ = ["build_app", "start_server"]
+__all__ = ["build_app", "guarded", "start_server"]
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _ERROR_CODES = {404: UnknownProvider, 400: BadRequest}
 
 
@@ -31,37 +31,42 @@ _MAX_REFLECTED = 1024
 _MAX_BACKLOG = 65535
 
 
-@web.middleware
-async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Refuse what a proxy beside a browser must never serve, render proxy errors, and count answers.
+def guarded(state: ProxyState, handle: Handler) -> Handler:
+    """The server's handler: refuse what a proxy beside a browser must never serve, render proxy
+    errors, and count answers, around the application's own routing (``handle``).
 
-    The order matters: who is asking (Host, then Origin) is settled before the
-    method, the path or any route is looked at, so a refused page learns nothing.
+    It wraps the application rather than sitting in it as a middleware, so no route, the admin API's
+    included, is reached unguarded, and no middleware layer is paid for on every request. The order
+    matters: who is asking (Host, then Origin) is settled before the method, the path or any route is
+    looked at, so a refused page learns nothing.
     """
-    state = request.app[STATE]
-    try:
-        refusal = _refusal(request, state)
-    except ProxyError as exc:
-        return error_response(exc)
-    if refusal is not None:
-        return refusal
-    try:
-        response = await handler(request)
-    except ProxyError as exc:
-        response = error_response(exc)
-    except web.HTTPException as exc:
-        if exc.status in _ERROR_CODES and not request.path.startswith("/_slotproxy/"):
-            response = error_response(_ERROR_CODES[exc.status](exc.reason))
-        else:
+
+    async def guard(request: BaseRequest) -> web.StreamResponse:
+        try:
+            refusal = _refusal(request, state)
+        except ProxyError as exc:
+            return error_response(exc)
+        if refusal is not None:
+            return refusal
+        try:
+            response = await handle(request)
+        except ProxyError as exc:
+            response = error_response(exc)
+        except web.HTTPException as exc:  # the router's 404 and 405
+            if exc.status in _ERROR_CODES and not request.path.startswith("/_slotproxy/"):
+                response = error_response(_ERROR_CODES[exc.status](exc.reason))
+            else:
+                response = Answer(status=exc.status, reason=exc.reason, text=exc.text, headers=exc.headers)
+        except asyncio.CancelledError:
+            _count(request, state, "499")
             raise
-    except asyncio.CancelledError:
-        _count(request, state, "499")
-        raise
-    _count(request, state, str(response.status))
-    return response
+        _count(request, state, str(response.status))
+        return response
+
+    return guard
 
 
-def _refusal(request: web.Request, state: ProxyState) -> web.StreamResponse | None:
+def _refusal(request: BaseRequest, state: ProxyState) -> web.StreamResponse | None:
     headers = request.headers
     host = headers.get("Host")
     if not state.browser.host_allowed(host):
@@ -87,10 +92,10 @@ def _refusal(request: web.Request, state: ProxyState) -> web.StreamResponse | No
     return None
 
 
-def _preflight(request: web.Request, origin: str | None) -> web.Response:
+def _preflight(request: BaseRequest, origin: str | None) -> web.Response:
     """OPTIONS is answered here, never forwarded (upstream would see the provider key)."""
     if origin is None:
-        return web.Response(status=204, headers={"Allow": _PREFLIGHT_METHODS + ", OPTIONS"})
+        return Answer(status=204, headers={"Allow": _PREFLIGHT_METHODS + ", OPTIONS"})
     headers = {
         "Access-Control-Allow-Origin": origin,
         "Access-Control-Allow-Methods": _PREFLIGHT_METHODS,
@@ -100,19 +105,17 @@ def _preflight(request: web.Request, origin: str | None) -> web.Response:
     asked = request.headers.get("Access-Control-Request-Headers")
     if asked:
         headers["Access-Control-Allow-Headers"] = asked[:_MAX_REFLECTED]
-    return web.Response(status=204, headers=headers)
+    return Answer(status=204, headers=headers)
 
 
-def _count(request: web.Request, state: ProxyState, status: str) -> None:
+def _count(request: BaseRequest, state: ProxyState, status: str) -> None:
     provider = request.get(PROVIDER)
     if provider is not None:
         state.metrics.count_request(provider, status)
 
 
 def _method_not_allowed(message: str) -> web.Response:
-    error = BadRequest(message)
-    response = web.json_response(error.body(), status=405)
-    return response
+    return json_answer(BadRequest(message).body(), status=405)
 
 
 async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
@@ -127,27 +130,12 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     return None
 
 
-async def _finish_headers(request: web.Request, response: web.StreamResponse) -> None:
-    """aiohttp names itself in a Server header, and types an untyped body as octet-stream; a relay adds
-    neither. A browser origin the config allows may read the answer."""
-    headers = response.headers
-    if headers.get("Server") == SERVER_SOFTWARE:
-        del headers["Server"]
-    if response.get(UNTYPED_BODY) and headers.get("Content-Type") == "application/octet-stream":
-        del headers["Content-Type"]
-    origin = request.get(ALLOWED_ORIGIN)
-    if origin is not None and "Access-Control-Allow-Origin" not in headers:
-        headers["Access-Control-Allow-Origin"] = origin
-        headers.add("Vary", "Origin")
-
-
 def build_app(state: ProxyState) -> web.Application:
-    app = web.Application(middlewares=[_guard], client_max_size=state.config.server.max_body + 1)
+    app = web.Application(client_max_size=state.config.server.max_body + 1)
     app[STATE] = state
     admin_routes.add_routes(app)
     app.router.add_route("*", "/{provider}", proxy_handler, expect_handler=_expect_continue)
     app.router.add_route("*", "/{provider}/{rest:[\\s\\S]*}", proxy_handler, expect_handler=_expect_continue)
-    app.on_response_prepare.append(_finish_headers)
     sampler = history.HistorySampler(state.backend, history.History(history.SAMPLE_INTERVAL))
     app[admin_routes.HISTORY] = sampler.history
     app.cleanup_ctx.append(sampler.running)
@@ -163,7 +151,8 @@ async def start_server(state: ProxyState, host: str, port: int) -> tuple[web.App
     """Start serving; returns the runner and the bound port (port 0 picks a free one)."""
     await state.start()
     state.listen_on(host)
-    runner = GuardedRunner(build_app(state), state.connections, handler_cancellation=True, access_log=None)
+    runner = GuardedRunner(build_app(state), state.connections, wrap=partial(guarded, state),
+                           handler_cancellation=True, access_log=None)
     await runner.setup()
     # A fleet that starts together connects together: aiohttp's default backlog of 128 overflows at a
     # thousand agents a second (SYNs dropped, a second's retransmit each), so the queue is sized to the

@@ -26,14 +26,15 @@ import errno
 import json
 import logging
 import resource
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from .answers import Answer
 from .errors import BadRequest, ProxyError, TooManyConnections, UpstreamTimeout
 from .logs import ThrottledLog
 
@@ -143,15 +144,6 @@ class ConnectionGuard:
         self._open.pop(handler, None)
 
 
-class _BareResponse(web.Response):
-    """A response aiohttp renders itself, without the ``Server`` header that names it."""
-
-    async def _prepare_headers(self) -> None:
-        await super()._prepare_headers()
-        if self.headers.get("Server") == SERVER_SOFTWARE:
-            del self.headers["Server"]
-
-
 class GuardedRequestHandler(RequestHandler):
     """aiohttp's connection protocol with the header and write deadlines and the connection cap."""
 
@@ -255,7 +247,7 @@ class GuardedRequestHandler(RequestHandler):
             error = BadRequest("the request is not valid HTTP/1.1 and was not read further")
         if request.writer.output_size > 0:
             raise ConnectionError("a response was already under way; the connection is closed instead")
-        response = _BareResponse(status=status, body=json.dumps(error.body()).encode(), content_type="application/json")
+        response = Answer(status=status, body=json.dumps(error.body()).encode(), content_type="application/json")
         response.force_close()
         return response
 
@@ -269,17 +261,24 @@ class _GuardedServer(web.Server):
         return GuardedRequestHandler(self, loop=self._loop, guard=self.guard, **self._kwargs)
 
 
-class GuardedRunner(web.AppRunner):
-    """An AppRunner whose connections are ``GuardedRequestHandler``s under one ``ConnectionGuard``."""
+Handler = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
 
-    def __init__(self, app: web.Application, guard: ConnectionGuard, **kwargs: Any) -> None:
+
+class GuardedRunner(web.AppRunner):
+    """An AppRunner whose connections are ``GuardedRequestHandler``s under one ``ConnectionGuard``;
+    ``wrap`` puts a handler around the application's (every request passes through it, routed or not)."""
+
+    def __init__(self, app: web.Application, guard: ConnectionGuard,
+                 wrap: Callable[[Handler], Handler] | None = None, **kwargs: Any) -> None:
         super().__init__(app, keepalive_timeout=KEEPALIVE_TIMEOUT, **kwargs)
         self.guard = guard
+        self._wrap = wrap
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()
+        handler = plain.request_handler
         return _GuardedServer(
-            plain.request_handler,
+            self._wrap(handler) if self._wrap is not None else handler,
             request_factory=plain.request_factory,
             handler_cancellation=plain.handler_cancellation,
             loop=plain._loop,

@@ -8,22 +8,20 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from .answers import Answer, json_answer
 from .errors import ProxyError
 from .runtime import ProxyState
 
-__all__ = ["ALLOWED_ORIGIN", "PROVIDER", "QUEUE_MS_HEADER", "STATE", "UNTYPED_BODY", "error_response"]
+__all__ = ["PROVIDER", "QUEUE_MS_HEADER", "STATE", "error_response"]
 
 QUEUE_MS_HEADER = "X-Slotproxy-Queue-Ms"
 STATE: web.AppKey[ProxyState] = web.AppKey("slotproxy", ProxyState)
 PROVIDER: web.RequestKey[str] = web.RequestKey("slotproxy_provider", str)
-UNTYPED_BODY: web.ResponseKey[bool] = web.ResponseKey("slotproxy_untyped_body", bool)
-ALLOWED_ORIGIN: web.RequestKey[str] = web.RequestKey("slotproxy_allowed_origin", str)
-"""Set on a request whose Origin header passed the origin rule; upstream CORS headers reach only those."""
 
 
-def error_response(error: ProxyError, *, queue_ms: int | None = None) -> web.Response:
+def error_response(error: ProxyError, *, queue_ms: int | None = None) -> Answer:
     """A proxy-made answer in the OpenAI error shape, so SDKs surface it."""
-    response = web.json_response(error.body(), status=error.status)
+    response = json_answer(error.body(), status=error.status)
     if error.retry_after is not None:
         response.headers["Retry-After"] = str(max(1, int(error.retry_after + 0.999)))
     if queue_ms is not None:

@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
+from .answers import ALLOWED_ORIGIN, Answer, StreamedAnswer
 from .body import read_body
 from .budgets import read_budget
 from .errors import (
@@ -37,14 +38,7 @@ from .headers import (
     forward_response_headers,
     parse_priority,
 )
-from .keys import (
-    ALLOWED_ORIGIN,
-    PROVIDER,
-    QUEUE_MS_HEADER,
-    STATE,
-    UNTYPED_BODY,
-    error_response,
-)
+from .keys import PROVIDER, QUEUE_MS_HEADER, STATE, error_response
 from .limiter import Budget, Priority, SlotLease
 from .model_name import request_model
 from .runtime import ProxyState
@@ -60,7 +54,7 @@ log = logging.getLogger("slotproxy.relay")
 _MAX_ERROR_BODY = 1 << 20
 _ONE_WRITE_MAX = 64 * 1024
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
-_R = TypeVar("_R", bound=web.StreamResponse)
+_R = TypeVar("_R", Answer, StreamedAnswer)
 
 
 class _NoSlot:
@@ -80,6 +74,37 @@ class _NoSlot:
 
     def headers_received(self) -> None:
         return None
+
+
+class _Abort:
+    """What cuts an attempt short: the wait for upstream's final headers (``idle_timeout``) and the
+    watchdog's reclaim. It cancels the attempt's task, as ``asyncio.timeout`` would, with one timer
+    handle instead of a context manager rescheduled twice on every request."""
+
+    __slots__ = ("_task", "_timer", "fired")
+
+    def __init__(self, task: asyncio.Task[object] | None) -> None:
+        self._task = task
+        self._timer: asyncio.TimerHandle | None = None
+        self.fired = False
+
+    def arm(self, delay: float) -> None:
+        self._timer = asyncio.get_running_loop().call_later(delay, self.fire)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def fire(self) -> None:
+        self._timer = None
+        if not self.fired and self._task is not None:
+            self.fired = True
+            self._task.cancel()
+
+    def absorbed(self) -> bool:
+        """Whether a CancelledError was this abort's alone; the client leaving as well still cancels."""
+        return self.fired and self._task is not None and self._task.uncancel() == 0
 
 
 class _ClientGone(Exception):
@@ -196,25 +221,54 @@ class Exchange:
                 lease.release()
 
     async def _attempt(self, lease: SlotLease | _NoSlot, *, retry_allowed: bool) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
+        abort = _Abort(asyncio.current_task())
+        lease.on_reclaim = abort.fire
         try:
-            async with asyncio.timeout(None) as deadline:
-                # The watchdog's abort: cancels whatever this attempt awaits (connect,
-                # headers or the next chunk), surfacing as TimeoutError below.
-                lease.on_reclaim = lambda: deadline.reschedule(loop.time())
-                return await self._exchange(lease, retry_allowed, deadline)
+            session = self.state.upstreams.session_for(self.settings)
+            # Built after the grant: a queued request holds nothing it does not need yet.
+            strip = self.state.strip_headers | self.consumed if self.consumed else self.state.strip_headers
+            headers = forward_request_headers(self.request.headers, strip=strip,
+                                              auth=self.state.upstreams.auth(self.settings, lease.key))
+            data = None if (not self.body and self.request.method in _NO_BODY_METHODS) else self.body
+            # idle_timeout bounds the wait for the final response headers too: aiohttp's
+            # read timeout restarts on every 1xx answer, so it alone does not.
+            if not lease.reclaimed:
+                abort.arm(self.settings.idle_timeout)
+            async with session.request(
+                self.request.method,
+                self.url,
+                headers=headers,
+                data=data,
+                allow_redirects=False,
+                timeout=self.state.upstreams.client_timeout(self.settings),
+            ) as upstream:
+                abort.disarm()
+                lease.headers_received()
+                budget = self._note_budget(upstream, lease) if self.settings.budgets and self.needs_slot else None
+                if upstream.status in self.settings.backoff_statuses:
+                    window_spent = budget is not None and budget.held_until is not None
+                    return await self._relay_backoff(upstream, lease, retry_allowed, window_spent)
+                return await self._stream(upstream, lease)
+        except asyncio.CancelledError:
+            if not abort.absorbed():
+                raise
+            return self._timed_out(lease)
+        except TimeoutError:  # aiohttp's own: connect_timeout, or idle_timeout between chunks
+            return self._timed_out(lease)
         except _ClientGone:
             log.debug("provider=%s client left mid-response", self.provider)
             return self.response or error_response(BadRequest("client disconnected"))
-        except TimeoutError:
-            what = "slot_timeout" if lease.reclaimed else "idle_timeout or connect_timeout"
-            log.warning("provider=%s %s fired for %s %s", self.provider, what, self.request.method, self.url.path)
-            return self._fail(UpstreamTimeout(f"upstream of provider '{self.provider}' timed out ({what})"))
         except aiohttp.ClientError as exc:
             log.warning("provider=%s upstream failed: %s", self.provider, type(exc).__name__)
             return self._fail(UpstreamUnreachable(f"upstream of provider '{self.provider}' failed: {type(exc).__name__}"))
         finally:
+            abort.disarm()
             lease.on_reclaim = None
+
+    def _timed_out(self, lease: SlotLease | _NoSlot) -> web.StreamResponse:
+        what = "slot_timeout" if lease.reclaimed else "idle_timeout or connect_timeout"
+        log.warning("provider=%s %s fired for %s %s", self.provider, what, self.request.method, self.url.path)
+        return self._fail(UpstreamTimeout(f"upstream of provider '{self.provider}' timed out ({what})"))
 
     def _fail(self, error: ProxyError) -> web.StreamResponse:
         """Answer with an error, or, once bytes reached the client, cut the connection."""
@@ -224,35 +278,6 @@ class Exchange:
         if transport is not None:
             transport.close()
         return self.response
-
-    async def _exchange(self, lease: SlotLease | _NoSlot, retry_allowed: bool,
-                        deadline: asyncio.Timeout) -> web.StreamResponse:
-        session = self.state.upstreams.session_for(self.settings)
-        # Built after the grant: a queued request holds nothing it does not need yet.
-        strip = self.state.strip_headers | self.consumed if self.consumed else self.state.strip_headers
-        headers = forward_request_headers(self.request.headers, strip=strip,
-                                          auth=self.state.upstreams.auth(self.settings, lease.key))
-        data = None if (not self.body and self.request.method in _NO_BODY_METHODS) else self.body
-        # idle_timeout bounds the wait for the final response headers too: aiohttp's
-        # read timeout restarts on every 1xx answer, so it alone does not.
-        if not lease.reclaimed:
-            deadline.reschedule(asyncio.get_running_loop().time() + self.settings.idle_timeout)
-        async with session.request(
-            self.request.method,
-            self.url,
-            headers=headers,
-            data=data,
-            allow_redirects=False,
-            timeout=self.state.upstreams.client_timeout(self.settings),
-        ) as upstream:
-            if not lease.reclaimed:  # a reclaim moved the deadline to now: keep it
-                deadline.reschedule(None)
-            lease.headers_received()
-            budget = self._note_budget(upstream, lease) if self.settings.budgets and self.needs_slot else None
-            if upstream.status in self.settings.backoff_statuses:
-                window_spent = budget is not None and budget.held_until is not None
-                return await self._relay_backoff(upstream, lease, retry_allowed, window_spent)
-            return await self._stream(upstream, lease)
 
     async def _relay_backoff(
         self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, retry_allowed: bool,
@@ -294,7 +319,7 @@ class Exchange:
         if not prefix and length is not None and length <= _ONE_WRITE_MAX and self.request.method != "HEAD" \
                 and not event_stream:
             return await self._send_whole(upstream, await upstream.read())
-        response = self._answer(web.StreamResponse(status=upstream.status, reason=upstream.reason,
+        response = self._answer(StreamedAnswer(status=upstream.status, reason=upstream.reason,
                                                    headers=self._response_headers(upstream)), upstream)
         if length is not None:
             response.content_length = length
@@ -319,7 +344,7 @@ class Exchange:
 
     async def _send_whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.StreamResponse:
         """A small fixed-length answer: headers and body leave in one write, still before the slot is released."""
-        response = self._answer(web.Response(status=upstream.status, reason=upstream.reason, body=body,
+        response = self._answer(Answer(status=upstream.status, reason=upstream.reason, body=body,
                                              headers=self._response_headers(upstream)), upstream)
         try:  # _to_client's job, written out for both writes
             await response.prepare(self.request)
@@ -333,8 +358,7 @@ class Exchange:
 
     def _answer(self, response: _R, upstream: aiohttp.ClientResponse) -> _R:
         """The relayed answer to the client, marked as this exchange's: queue header, untyped body noted."""
-        if "Content-Type" not in upstream.headers:
-            response[UNTYPED_BODY] = True
+        response.untyped = "Content-Type" not in upstream.headers
         response.headers[QUEUE_MS_HEADER] = str(self.queue_ms)
         self.response = response
         return response

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
+from ..answers import json_answer
 from ..body import read_body
 from ..errors import AdminError, BodyTooLarge, UnknownProvider
 from ..headers import valid_label
@@ -138,7 +139,7 @@ async def _provider_answer(request: web.Request, provider: str) -> web.Response:
     backend = request.app[STATE].backend
     await backend.flush()
     await backend.refresh()
-    return web.json_response(backend.provider_status(provider).to_dict())
+    return json_answer(backend.provider_status(provider).to_dict())
 
 
 async def _provider_write(
@@ -211,7 +212,7 @@ async def star(request: web.Request) -> web.Response:
     except TooManyStars as exc:
         raise AdminError(str(exc)) from None
     await state.backend.flush()
-    return web.json_response({"workspace": workspace, "starred": starred, "starred_workspaces": sorted(stars)})
+    return json_answer({"workspace": workspace, "starred": starred, "starred_workspaces": sorted(stars)})
 
 
 def add_routes(app: web.Application) -> None:

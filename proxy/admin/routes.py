@@ -7,6 +7,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ..answers import Answer, json_answer
 from ..keys import STATE
 from . import api
 from .history import History
@@ -22,12 +23,12 @@ HISTORY: web.AppKey[History] = web.AppKey("slotproxy_history", History)
 async def status(request: web.Request) -> web.Response:
     state = request.app[STATE]
     await state.backend.refresh()
-    return web.json_response(status_document(state))
+    return json_answer(status_document(state))
 
 
 async def history(request: web.Request) -> web.Response:
     """Like status, a read: no admin token."""
-    return web.json_response(request.app[HISTORY].to_dict())
+    return json_answer(request.app[HISTORY].to_dict())
 
 
 _DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -47,7 +48,7 @@ def _dashboard_html() -> bytes:
 
 
 async def dashboard(request: web.Request) -> web.Response:
-    return web.Response(
+    return Answer(
         body=_dashboard_html(),
         content_type="text/html",
         charset="utf-8",
@@ -56,7 +57,7 @@ async def dashboard(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"ok": True})
+    return json_answer({"ok": True})
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -68,20 +69,20 @@ async def readyz(request: web.Request) -> web.Response:
         backend = state.backend.backend_status()
         reasons.append(f"backend unreachable ({backend.get('degraded')}): {backend.get('error')}")
     if reasons:
-        return web.json_response({"ready": False, "reasons": reasons}, status=503)
-    return web.json_response({"ready": True})
+        return json_answer({"ready": False, "reasons": reasons}, status=503)
+    return json_answer({"ready": True})
 
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     await state.backend.refresh(queue_detail=False)
     body = state.metrics.render()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+    return Answer(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def _to_dashboard(request: web.Request) -> web.Response:
     """``/_slotproxy`` without its slash: send the browser to the dashboard, as a web server would."""
-    raise web.HTTPMovedPermanently("/_slotproxy/")
+    return Answer(status=301, headers={"Location": "/_slotproxy/"}, text="301: Moved Permanently")
 
 
 def add_routes(app: web.Application) -> None:
