@@ -288,6 +288,40 @@ def test_released_lease_is_not_reclaimed() -> None:
     assert clock.pending == 0
 
 
+def test_watchdog_reclaims_each_lease_at_its_own_deadline_with_one_timer() -> None:
+    limiter, clock = make(limit=None, slot_timeout=10.0)
+    leases = []
+    for _ in range(3):
+        lease = limiter.try_acquire(prio())
+        assert lease is not None
+        leases.append(lease)
+        clock.advance(1)
+    assert clock.pending == 1
+    leases[1].release()
+    clock.advance(7)  # t = 10: the first is due
+    assert [lease.reclaimed for lease in leases] == [True, False, False]
+    clock.advance(1.5)  # the second was released; the third is due at t = 12
+    assert not leases[2].reclaimed and clock.pending == 1
+    clock.advance(1)
+    assert leases[2].reclaimed and clock.pending == 0
+    assert limiter.statistics().counters["reclaims"] == 2
+
+
+def test_a_reload_that_shortens_slot_timeout_applies_to_held_slots() -> None:
+    limiter, clock = make(limit=None, slot_timeout=100.0)
+    lease = limiter.try_acquire(prio())
+    assert lease is not None
+    clock.advance(30)
+    limiter.apply_settings(LimiterSettings(limit=None, slot_timeout=20.0))
+    clock.advance(0)
+    assert lease.reclaimed
+    fresh = limiter.try_acquire(prio())
+    assert fresh is not None
+    limiter.apply_settings(LimiterSettings(limit=None, slot_timeout=None))
+    clock.advance(200)
+    assert not fresh.reclaimed and clock.pending == 0
+
+
 def test_cancelled_waiter_is_removed_and_never_granted() -> None:
     limiter, clock = make(limit=1, queue_timeout=10.0)
     holder = limiter.try_acquire(prio())
