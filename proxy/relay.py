@@ -38,6 +38,7 @@ from .headers import (
     forward_response_headers,
     parse_priority,
 )
+from .idle import Watch
 from .keys import PROVIDER, QUEUE_MS_HEADER, STATE, error_response
 from .limiter import Budget, Priority, SlotLease
 from .model_name import request_model
@@ -74,37 +75,6 @@ class _NoSlot:
 
     def headers_received(self) -> None:
         return None
-
-
-class _Abort:
-    """What cuts an attempt short: the wait for upstream's final headers (``idle_timeout``) and the
-    watchdog's reclaim. It cancels the attempt's task, as ``asyncio.timeout`` would, with one timer
-    handle instead of a context manager rescheduled twice on every request."""
-
-    __slots__ = ("_task", "_timer", "fired")
-
-    def __init__(self, task: asyncio.Task[object] | None) -> None:
-        self._task = task
-        self._timer: asyncio.TimerHandle | None = None
-        self.fired = False
-
-    def arm(self, delay: float) -> None:
-        self._timer = asyncio.get_running_loop().call_later(delay, self.fire)
-
-    def disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def fire(self) -> None:
-        self._timer = None
-        if not self.fired and self._task is not None:
-            self.fired = True
-            self._task.cancel()
-
-    def absorbed(self) -> bool:
-        """Whether a CancelledError was this abort's alone; the client leaving as well still cancels."""
-        return self.fired and self._task is not None and self._task.uncancel() == 0
 
 
 class _ClientGone(Exception):
@@ -221,8 +191,12 @@ class Exchange:
                 lease.release()
 
     async def _attempt(self, lease: SlotLease | _NoSlot, *, retry_allowed: bool) -> web.StreamResponse:
-        abort = _Abort(asyncio.current_task())
-        lease.on_reclaim = abort.fire
+        # idle_timeout: the wait for upstream's final headers (aiohttp would restart a read timeout on every
+        # 1xx answer), then each gap between chunks. The watchdog's reclaim fires it at once.
+        watch = self.state.idle_watch.watch(self.settings.idle_timeout)
+        lease.on_reclaim = watch.fire
+        if lease.reclaimed:
+            watch.fire()
         try:
             session = self.state.upstreams.session_for(self.settings)
             # Built after the grant: a queued request holds nothing it does not need yet.
@@ -230,10 +204,6 @@ class Exchange:
             headers = forward_request_headers(self.request.headers, strip=strip,
                                               auth=self.state.upstreams.auth(self.settings, lease.key))
             data = None if (not self.body and self.request.method in _NO_BODY_METHODS) else self.body
-            # idle_timeout bounds the wait for the final response headers too: aiohttp's
-            # read timeout restarts on every 1xx answer, so it alone does not.
-            if not lease.reclaimed:
-                abort.arm(self.settings.idle_timeout)
             async with session.request(
                 self.request.method,
                 self.url,
@@ -242,18 +212,18 @@ class Exchange:
                 allow_redirects=False,
                 timeout=self.state.upstreams.client_timeout(self.settings),
             ) as upstream:
-                abort.disarm()
+                watch.touch(asyncio.get_running_loop().time())
                 lease.headers_received()
                 budget = self._note_budget(upstream, lease) if self.settings.budgets and self.needs_slot else None
                 if upstream.status in self.settings.backoff_statuses:
                     window_spent = budget is not None and budget.held_until is not None
-                    return await self._relay_backoff(upstream, lease, retry_allowed, window_spent)
-                return await self._stream(upstream, lease)
+                    return await self._relay_backoff(upstream, lease, watch, retry_allowed, window_spent)
+                return await self._stream(upstream, lease, watch)
         except asyncio.CancelledError:
-            if not abort.absorbed():
+            if not watch.absorbed():
                 raise
             return self._timed_out(lease)
-        except TimeoutError:  # aiohttp's own: connect_timeout, or idle_timeout between chunks
+        except TimeoutError:  # aiohttp's connect_timeout
             return self._timed_out(lease)
         except _ClientGone:
             log.debug("provider=%s client left mid-response", self.provider)
@@ -262,7 +232,7 @@ class Exchange:
             log.warning("provider=%s upstream failed: %s", self.provider, type(exc).__name__)
             return self._fail(UpstreamUnreachable(f"upstream of provider '{self.provider}' failed: {type(exc).__name__}"))
         finally:
-            abort.disarm()
+            watch.close()
             lease.on_reclaim = None
 
     def _timed_out(self, lease: SlotLease | _NoSlot) -> web.StreamResponse:
@@ -280,12 +250,12 @@ class Exchange:
         return self.response
 
     async def _relay_backoff(
-        self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, retry_allowed: bool,
+        self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, watch: Watch, retry_allowed: bool,
         window_spent: bool = False,
     ) -> web.StreamResponse:
         """A backoff status. One whose own rate-limit headers say the key's request window is spent is a
         budget matter, not too many at once: the key is held until the reset and its limit is left alone."""
-        body, complete = await _read_capped(upstream.content, _MAX_ERROR_BODY)
+        body, complete = await _read_capped(upstream.content, _MAX_ERROR_BODY, watch)
         readable = readable_body(body, upstream.headers.get("Content-Encoding"))
         backoff = classify_response(
             upstream.status, upstream.headers, readable, self.settings.backoff_statuses, time.time()
@@ -296,7 +266,7 @@ class Exchange:
                 log.info("provider=%s retrying after a %s (the client has seen nothing yet)", self.provider, backoff.cause)
                 raise _Retry
         if not complete:
-            return await self._stream(upstream, lease, prefix=body)
+            return await self._stream(upstream, lease, watch, prefix=body)
         return await self._send_whole(upstream, body)
 
     def _report(self, backoff: Backoff, lease: SlotLease | _NoSlot, *, reduce: bool = True) -> None:
@@ -312,8 +282,10 @@ class Exchange:
         return budget
 
     async def _stream(
-        self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, prefix: bytes = b""
+        self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, watch: Watch, prefix: bytes = b""
     ) -> web.StreamResponse:
+        """Relay the body as it arrives. A small fixed-length one is read whole (bounded by idle_timeout
+        as a whole) and sent in one write."""
         length = upstream.content_length
         event_stream = _is_event_stream(upstream)
         if not prefix and length is not None and length <= _ONE_WRITE_MAX and self.request.method != "HEAD" \
@@ -327,9 +299,11 @@ class Exchange:
         if prefix:
             await _to_client(response.write(prefix))
         scanner = stream_scanner(upstream.headers.get("Content-Encoding")) if event_stream else None
+        now = asyncio.get_running_loop().time
         # Cancellation point: the client may leave at any await below; the handler
         # is cancelled and the caller's finally releases the slot.
         async for chunk in upstream.content.iter_any():
+            watch.touch(now())
             if scanner is not None:
                 backoff = scanner.feed(chunk)
                 if backoff is not None:
@@ -364,11 +338,13 @@ class Exchange:
         return response
 
 
-async def _read_capped(content: aiohttp.StreamReader, cap: int) -> tuple[bytes, bool]:
+async def _read_capped(content: aiohttp.StreamReader, cap: int, watch: Watch) -> tuple[bytes, bool]:
     """Up to ``cap`` bytes of a body, and whether that was all of it."""
     chunks: list[bytes] = []
     size = 0
+    now = asyncio.get_running_loop().time
     async for chunk in content.iter_any():
+        watch.touch(now())
         chunks.append(chunk)
         size += len(chunk)
         if size >= cap:

@@ -30,6 +30,7 @@ from .config import Config, ProviderSettings
 from .connections import ConnectionGuard, ConnectionSettings
 from .guard import BrowserGuard
 from .headers import PriorityHeaders
+from .idle import IdleWatch
 from .limiter import KeySettings, LimiterSettings, ModelCap, SlotLease
 from .state import StarOverrides, StateStore, StateWriter
 from .upstreams import Upstreams
@@ -71,6 +72,8 @@ class ProxyState:
         self.backend: Backend = backend or make_backend(config)
         self.metrics = Metrics(lambda: self.backend.statistics(queue_detail=False), self.backend.backend_status)
         self.upstreams = Upstreams()
+        self.idle_watch = IdleWatch()
+        """The idle_timeout deadlines of the upstream exchanges in flight."""
         self.stars = StarOverrides()
         self.state_file = StateWriter(StateStore(_state_path(config, config_path)), self._runtime_state)
         self.pollers = UsagePollers()

@@ -20,7 +20,7 @@ class Upstreams:
 
     def __init__(self) -> None:
         self._sessions: dict[bool, aiohttp.ClientSession] = {}
-        self._timeouts: dict[tuple[float, float], aiohttp.ClientTimeout] = {}
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._auth: dict[str, tuple[str, str] | None] = {}
         self._pool_auth: dict[str, dict[str, tuple[str, str]]] = {}
 
@@ -60,11 +60,11 @@ class Upstreams:
         return session
 
     def client_timeout(self, settings: ProviderSettings) -> aiohttp.ClientTimeout:
-        key = (settings.connect_timeout, settings.idle_timeout)
+        key = settings.connect_timeout
         timeout = self._timeouts.get(key)
         if timeout is None:
-            timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
-                                            sock_read=settings.idle_timeout)
+            # idle_timeout is the relay's own (proxy.idle): aiohttp's sock_read would set a timer per read.
+            timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout, sock_read=None)
             self._timeouts[key] = timeout
         return timeout
 
