@@ -542,11 +542,16 @@ async def test_upstream_server_header_is_relayed_unchanged(start_proxy) -> None:
     assert server_lines == [b"Server: upstream-edge/1.0"]
 
 
-@pytest.mark.parametrize("path", ["/nope/x", "/_slotproxy/status", "/healthz", "/metrics"])
-async def test_proxy_made_answers_do_not_name_the_server_software(start_proxy, path) -> None:
+@pytest.mark.parametrize(("path", "method", "status"), [
+    ("/nope/x", "GET", 404), ("/_slotproxy/status", "GET", 200), ("/healthz", "GET", 200), ("/metrics", "GET", 200),
+    ("/_slotproxy/nope", "GET", 404), ("/_slotproxy", "GET", 301),
+    # refused before any route is looked at
+    ("/openai/models", "TRACE", 405), ("/openai/a\\b", "GET", 400), ("/openai/models", "OPTIONS", 204),
+])
+async def test_proxy_made_answers_do_not_name_the_server_software(start_proxy, path, method, status) -> None:
     proxy = await start_proxy("state: {path: null}\nproviders:\n  openai: {upstream: 'http://127.0.0.1:9/v1'}\n")
-    response = await send_raw(proxy.port, request_bytes(path, method="GET", body=b""))
-    assert response.status in (200, 404)
+    response = await send_raw(proxy.port, request_bytes(path, method=method, body=b""))
+    assert response.status == status
     assert "server" not in response.headers, response.headers["server"]
 
 
