@@ -1,0 +1,134 @@
+"""What each feature costs per small proxied POST: slotproxy with one part switched off at a time.
+
+Each variant is ``slotproxy serve`` started with one part replaced by the least
+that keeps a request flowing (a stand-in, in this process only), measured
+interleaved with the full proxy and the bare aiohttp relay of ``ceiling.py``
+(16 connections, wrk). The difference to "full" is that part's CPU per request;
+what is left once every part is off is aiohttp's own. This is a measuring tool:
+a variant with a part off is not a proxy anyone should run.
+
+    python bench/ablate.py [--rounds 3] [--duration 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from common import HOST, WRK_LUA, Processes, WrkFigures, cpu_seconds, free_port, log, run_wrk, static_nginx_conf, wait_http
+from overhead import BODY, PATH_PROXIED, slotproxy_yaml, start_nginx
+
+CONNS = 16
+VARIANTS = {
+    "full": "everything on",
+    "slot": "no slot taken (the limiter, the watchdog, the grant metrics)",
+    "priority": "priority headers not read (workspace, star, prompt age, conversation)",
+    "headers": "headers not filtered either way (only Content-Type forwarded, as the bare relay does)",
+    "guard": "no guard around the application (Host, Origin, path checks, answer counts)",
+    "all": "all four of the above off",
+}
+
+
+def _switch_off(parts: set[str]) -> None:
+    import proxy.app as app
+    import proxy.relay as relay
+    from proxy.limiter import Priority
+
+    if "slot" in parts:
+        init = relay.Exchange.__init__
+
+        def without_slot(self: relay.Exchange, *args: object, **kwargs: object) -> None:
+            init(self, *args, **kwargs)  # type: ignore[arg-type]
+            self.needs_slot = False
+
+        relay.Exchange.__init__ = without_slot  # type: ignore[method-assign]
+    if "priority" in parts:
+        relay.parse_priority = lambda headers, names, now: (  # type: ignore[assignment]
+            Priority(prompt_started_at=now, workspace="default", starred=False, conversation=None), [])
+    if "headers" in parts:
+        relay.forward_request_headers = lambda incoming, strip, auth: [  # type: ignore[assignment]
+            ("Content-Type", incoming.get("Content-Type", ""))]
+        relay.forward_response_headers = lambda incoming, keep_cors=False: [  # type: ignore[assignment]
+            ("Content-Type", incoming.get("Content-Type", ""))]
+        relay.check_header_bytes = lambda headers, skip: None  # type: ignore[assignment]
+    if "guard" in parts:
+        app.guarded = lambda state, handle: handle  # type: ignore[assignment]
+
+
+def serve(variant: str, argv: list[str]) -> int:
+    parts = {"slot", "priority", "headers", "guard"} if variant == "all" else {variant} - {"full"}
+    _switch_off(parts)
+    from proxy.cli import main
+    return main(argv)
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
+    lua = workdir / "post.lua"
+    lua.write_text(WRK_LUA % BODY)
+    procs = Processes(workdir)
+    try:
+        static_port = free_port()
+        start_nginx(procs, "nginx-static", static_nginx_conf(workdir / "nginx-static", static_port), "/")
+        targets: dict[str, tuple[str, list[int]]] = {}
+        for variant in VARIANTS:
+            port = free_port()
+            config = workdir / f"{variant}.yaml"
+            config.write_text(slotproxy_yaml(port, {"bench": f"http://{HOST}:{static_port}"}))
+            proc = procs.start(variant, [sys.executable, __file__, "--serve", variant, "serve", "--config", str(config),
+                                         "--port", str(port), "--log-level", "WARNING"])
+            wait_http(f"http://{HOST}:{port}/healthz", proc, variant, require_200=False)
+            targets[variant] = (f"http://{HOST}:{port}{PATH_PROXIED}", [proc.pid])
+        relay_port = free_port()
+        ceiling = Path(__file__).with_name("ceiling.py")
+        proc = procs.start("relay", [sys.executable, str(ceiling), "--relay", str(relay_port), f"http://{HOST}:{static_port}/"])
+        wait_http(f"http://{HOST}:{relay_port}/bench/", proc, "relay", require_200=False)
+        targets["bare relay"] = (f"http://{HOST}:{relay_port}{PATH_PROXIED}", [proc.pid])
+        for url, _ in targets.values():
+            run_wrk(url, CONNS, 1, lua)
+        results: dict[str, list[float]] = {name: [] for name in targets}
+        for number in range(1, args.rounds + 1):
+            for name, (url, pids) in targets.items():
+                before = cpu_seconds(pids)
+                figures = WrkFigures.of(run_wrk(url, CONNS, args.duration, lua))
+                results[name].append((cpu_seconds(pids) - before) / max(figures.requests, 1) * 1e6)
+                log(f"round {number} {name:<10} {results[name][-1]:6.1f} µs CPU/req")
+        return results
+    finally:
+        procs.stop_all()
+
+
+def report(results: dict[str, list[float]], command: str) -> str:
+    full = results["full"]
+    relay = results["bare relay"]
+    lines = [f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}), {CONNS} connections, wrk 1 thread;"
+             " CPU µs per request, median of rounds; differences paired per round.", "",
+             "| variant | CPU µs/req | less than full | / bare relay |", "|---|---|---|---|"]
+    for name, values in results.items():
+        saved = statistics.median([f - v for f, v in zip(full, values)])
+        ratio = statistics.median([v / r for v, r in zip(values, relay)])
+        label = f"{name}: {VARIANTS[name]}" if name in VARIANTS else name
+        lines.append(f"| {label} | {statistics.median(values):.1f} | {saved:.1f} | {ratio:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--serve"]:
+        return serve(argv[1], argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=4.0)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="slotproxy-ablate-") as tmp:
+        results = measure(args, Path(tmp))
+    print(report(results, " ".join(["python", "bench/ablate.py", *argv])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
