@@ -20,7 +20,18 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from common import HOST, WRK_LUA, Processes, WrkFigures, cpu_seconds, free_port, log, run_wrk, static_nginx_conf, wait_http
+from common import (
+    HOST,
+    WRK_LUA,
+    Processes,
+    WrkFigures,
+    cpu_seconds,
+    free_port,
+    log,
+    run_wrk,
+    static_nginx_conf,
+    wait_http,
+)
 from overhead import BODY, PATH_PROXIED, slotproxy_yaml, start_nginx
 
 CONNS = 16
@@ -35,8 +46,7 @@ VARIANTS = {
 
 
 def _switch_off(parts: set[str]) -> None:
-    import proxy.app as app
-    import proxy.relay as relay
+    from proxy import app, relay
     from proxy.limiter import Priority
 
     if "slot" in parts:
@@ -105,8 +115,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
 def report(results: dict[str, list[float]], command: str) -> str:
     full = results["full"]
     relay = results["bare relay"]
-    lines = [f"`{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}), {CONNS} connections, wrk 1 thread;"
-             " CPU µs per request, median of rounds; differences paired per round.", "",
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines = [(f"`{command}` ({when}), {CONNS} connections, wrk 1 thread; "
+              "CPU µs per request, median of rounds; differences paired per round."), "",
              "| variant | CPU µs/req | less than full | / bare relay |", "|---|---|---|---|"]
     for name, values in results.items():
         saved = statistics.median([f - v for f, v in zip(full, values)])
