@@ -19,7 +19,7 @@ from .keys import PROVIDER, STATE, error_response
 from .relay import proxy_handler
 from .runtime import ProxyState
 
-__all__ = ["build_app", "guarded", "start_server"]
+__all__ = ["guarded", "start_server"]
 
 
 _ERROR_CODES = {404: UnknownProvider, 400: BadRequest}
@@ -130,7 +130,8 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     return None
 
 
-def build_app(state: ProxyState) -> web.Application:
+def _build_app(state: ProxyState) -> web.Application:
+    """The routes alone: served only through ``start_server``, whose runner puts ``guarded`` around them."""
     app = web.Application(client_max_size=state.config.server.max_body + 1)
     app[STATE] = state
     admin_routes.add_routes(app)
@@ -151,7 +152,7 @@ async def start_server(state: ProxyState, host: str, port: int) -> tuple[web.App
     """Start serving; returns the runner and the bound port (port 0 picks a free one)."""
     await state.start()
     state.listen_on(host)
-    runner = GuardedRunner(build_app(state), state.connections, wrap=partial(guarded, state),
+    runner = GuardedRunner(_build_app(state), state.connections, wrap=partial(guarded, state),
                            handler_cancellation=True, access_log=None)
     await runner.setup()
     # A fleet that starts together connects together: aiohttp's default backlog of 128 overflows at a
