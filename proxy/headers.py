@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -116,19 +117,23 @@ def parse_priority(
         starred = _starred(headers.get(names.starred))
     except ValueError:
         invalid.append("starred")
-    try:
-        started = _prompt_started_at(headers.get(names.prompt_started_at), now)
-    except ValueError:
-        invalid.append("prompt_started_at")
-    if names.prompt_started_at not in headers:
+    raw_started = headers.get(names.prompt_started_at)
+    if raw_started is None:
         started = _turn_started_at(headers.get(CODEX_TURN_METADATA), now)
+    else:
+        try:
+            started = _prompt_started_at(raw_started, now)
+        except ValueError:
+            invalid.append("prompt_started_at")
     started = max(started, now - names.max_prompt_age)
-    try:
-        conversation = _label(headers.get(names.conversation))
-    except ValueError:
-        invalid.append("conversation")
-    if conversation is None and names.conversation not in headers:
+    raw_conversation = headers.get(names.conversation)
+    if raw_conversation is None:
         conversation = _agent_session(headers)
+    else:
+        try:
+            conversation = _label(raw_conversation)
+        except ValueError:
+            invalid.append("conversation")
     return Priority(prompt_started_at=started, workspace=workspace, starred=starred, conversation=conversation), invalid
 
 
@@ -182,11 +187,17 @@ def client_wait_limit(headers: Mapping[str, str]) -> float | None:
     return max(0.0, min(limits) - CLIENT_DEADLINE_MARGIN) if limits else None
 
 
-def _connection_listed(headers: Mapping[str, str]) -> frozenset[str]:
-    listed = headers.get("connection") or headers.get("Connection")
-    if not listed:
-        return frozenset()
-    return frozenset(token.strip().lower() for token in listed.split(",") if token.strip())
+def _dropped(headers: Mapping[str, str], always: frozenset[str], also: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The lower-case names not passed on: ``always``, ``also`` and what the Connection header lists."""
+    return _drop_set(always, also, headers.get("connection") or headers.get("Connection"))
+
+
+@functools.lru_cache(maxsize=256)
+def _drop_set(always: frozenset[str], also: frozenset[str], connection: str | None) -> frozenset[str]:
+    """Cached: clients and upstreams send the same few Connection values (``keep-alive``, ``close``) each time."""
+    listed = frozenset(token.strip().lower() for token in connection.split(",") if token.strip()) \
+        if connection else frozenset()
+    return always | also | listed
 
 
 _DROP_UP_WITH_AUTH = _NOT_FORWARDED_UP | {"authorization", "x-api-key"}
@@ -205,7 +216,7 @@ def forward_request_headers(
     Authorization and x-api-key are both removed first. One pass, no copies:
     this runs on every request.
     """
-    drop = (_NOT_FORWARDED_UP if auth is None else _DROP_UP_WITH_AUTH) | strip | _connection_listed(incoming)
+    drop = _dropped(incoming, _NOT_FORWARDED_UP if auth is None else _DROP_UP_WITH_AUTH, strip)
     out = [(name, value) for name, value in incoming.items() if name.lower() not in drop]
     if auth is not None:
         out.append(auth)
@@ -228,7 +239,7 @@ def forward_response_headers(incoming: Mapping[str, str], *, keep_cors: bool = F
     from a browser origin the config allows. Otherwise an upstream's
     ``Access-Control-Allow-Origin: *`` would let any page read the answer.
     """
-    drop = _NOT_RELAYED_DOWN | _connection_listed(incoming)
+    drop = _dropped(incoming, _NOT_RELAYED_DOWN)
     if keep_cors:
         return [(name, value) for name, value in incoming.items() if name.lower() not in drop]
     return [(name, value) for name, value in incoming.items()

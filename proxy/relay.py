@@ -218,6 +218,8 @@ class Exchange:
                 if upstream.status in self.settings.backoff_statuses:
                     window_spent = budget is not None and budget.held_until is not None
                     return await self._relay_backoff(upstream, lease, watch, retry_allowed, window_spent)
+                if self._small_whole(upstream):  # most non-streamed answers: no streaming layer to pass through
+                    return await self._send_whole(upstream, await upstream.read())
                 return await self._stream(upstream, lease, watch)
         except asyncio.CancelledError:
             if not watch.absorbed():
@@ -284,12 +286,10 @@ class Exchange:
     async def _stream(
         self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, watch: Watch, prefix: bytes = b""
     ) -> web.StreamResponse:
-        """Relay the body as it arrives. A small fixed-length one is read whole (bounded by idle_timeout
-        as a whole) and sent in one write."""
+        """Relay the body as it arrives."""
         length = upstream.content_length
         event_stream = _is_event_stream(upstream)
-        if not prefix and length is not None and length <= _ONE_WRITE_MAX and self.request.method != "HEAD" \
-                and not event_stream:
+        if not prefix and self._small_whole(upstream):
             return await self._send_whole(upstream, await upstream.read())
         response = self._answer(StreamedAnswer(status=upstream.status, reason=upstream.reason,
                                                    headers=self._response_headers(upstream)), upstream)
@@ -315,6 +315,12 @@ class Exchange:
                 raise _ClientGone from exc
         await _to_client(response.write_eof())
         return response
+
+    def _small_whole(self, upstream: aiohttp.ClientResponse) -> bool:
+        """A small fixed-length answer is read whole (within idle_timeout of its headers) and sent in one write."""
+        length = upstream.content_length
+        return length is not None and length <= _ONE_WRITE_MAX and self.request.method != "HEAD" \
+            and not _is_event_stream(upstream)
 
     async def _send_whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.StreamResponse:
         """A small fixed-length answer: headers and body leave in one write, still before the slot is released."""
