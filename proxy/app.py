@@ -12,11 +12,12 @@ from aiohttp.web_request import BaseRequest
 from .admin import history
 from .admin import routes as admin_routes
 from .answers import ALLOWED_ORIGIN, Answer, json_answer
+from .config.model import RESERVED_PROVIDER_IDS
 from .connections import GuardedRunner, Handler
 from .errors import BadRequest, BodyTooLarge, Forbidden, ProxyError, UnknownProvider
 from .guard import check_path
 from .keys import PROVIDER, STATE, error_response
-from .relay import proxy_handler
+from .relay import proxy_handler, relay
 from .runtime import ProxyState
 
 __all__ = ["guarded", "start_server"]
@@ -49,7 +50,11 @@ def guarded(state: ProxyState, handle: Handler) -> Handler:
         if refusal is not None:
             return refusal
         try:
-            response = await handle(request)
+            provider, rest = _provider_path(request.path)
+            if provider is None:
+                response = await handle(request)
+            else:
+                response = await _relayed(request, state, provider, rest)
         except ProxyError as exc:
             response = error_response(exc)
         except web.HTTPException as exc:  # the router's 404 and 405
@@ -64,6 +69,24 @@ def guarded(state: ProxyState, handle: Handler) -> Handler:
         return response
 
     return guard
+
+
+def _provider_path(path: str) -> tuple[str | None, str]:
+    """``/{provider}/{rest}`` for a path that can only be a provider's (ids starting with ``_``, ``metrics``,
+    ``healthz`` and ``readyz`` are the proxy's own): those skip aiohttp's router, and the rest go through it."""
+    first, _, rest = path[1:].partition("/")
+    if not first or first[0] == "_" or first in RESERVED_PROVIDER_IDS:
+        return None, ""
+    return first, rest
+
+
+async def _relayed(request: BaseRequest, state: ProxyState, provider: str, rest: str) -> web.StreamResponse:
+    assert isinstance(request, web.Request)
+    if request.headers.get("Expect"):
+        refused = await _answer_expect(request, state.config.server.max_body)
+        if refused is not None:
+            return refused
+    return await relay(request, state, provider, rest)
 
 
 def _refusal(request: BaseRequest, state: ProxyState) -> web.StreamResponse | None:
@@ -119,10 +142,13 @@ def _method_not_allowed(message: str) -> web.Response:
 
 
 async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
+    return await _answer_expect(request, request.app[STATE].config.server.max_body)
+
+
+async def _answer_expect(request: web.Request, max_body: int) -> web.StreamResponse | None:
     """Refuse an oversized body before the client sends it, instead of inviting it with 100 Continue."""
     if request.version != aiohttp.HttpVersion11 or request.headers.get("Expect", "").lower() != "100-continue":
         return None
-    max_body = request.app[STATE].config.server.max_body
     if request.content_length is not None and request.content_length > max_body:
         return error_response(BodyTooLarge(
             f"request body of {request.content_length} bytes is over server.max_body ({max_body} bytes)"))

@@ -48,7 +48,7 @@ from .signals import Backoff, classify_response, readable_body, stream_scanner
 if TYPE_CHECKING:
     from .config import ProviderSettings
 
-__all__ = ["Exchange", "proxy_handler"]
+__all__ = ["Exchange", "proxy_handler", "relay"]
 
 log = logging.getLogger("slotproxy.relay")
 
@@ -85,13 +85,11 @@ class _Retry(Exception):
     """A backoff answer arrived before any byte reached the client; try again after the pause."""
 
 
-def _route(request: web.Request, state: ProxyState) -> tuple[str, ProviderSettings, URL]:
-    provider = request.match_info["provider"]
+def _route(request: web.Request, state: ProxyState, provider: str, decoded_rest: str) -> tuple[ProviderSettings, URL]:
     settings = state.provider(provider)
     if settings is None:
         raise UnknownProvider.named(provider, None if state.client_keys is not None else state.provider_names())
-    decoded_rest = request.match_info.get("rest", "")
-    if any(segment in (".", "..") for segment in decoded_rest.split("/")):
+    if "." in decoded_rest and any(segment in (".", "..") for segment in decoded_rest.split("/")):
         raise BadRequest("dot segments ('.' or '..') are not allowed in the request path")
     raw_path, _, raw_query = request.raw_path.partition("?")
     raw_rest = raw_path.split("/", 2)[2] if raw_path.count("/") >= 2 else ""
@@ -99,20 +97,25 @@ def _route(request: web.Request, state: ProxyState) -> tuple[str, ProviderSettin
     if raw_query:
         # The query as the client encoded it: aiohttp's query_string is already decoded.
         target += "?" + raw_query
-    return provider, settings, URL(target, encoded=True)
+    return settings, URL(target, encoded=True)
 
 
 async def proxy_handler(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
+    """The provider routes as the router dispatches them: the paths the guard did not relay itself."""
+    return await relay(request, request.app[STATE], request.match_info["provider"], request.match_info.get("rest", ""))
+
+
+async def relay(request: web.Request, state: ProxyState, provider: str, rest: str) -> web.StreamResponse:
+    """One request to ``/{provider}/{rest}`` (``rest`` decoded; the raw path is what is forwarded)."""
     if state.shutting_down:
         raise ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0)
     consumed: frozenset[str] = frozenset()
     if state.client_keys is not None:
         # Before routing, so that a client without a key learns nothing, not even which providers exist.
-        known = state.provider(request.match_info["provider"])
+        known = state.provider(provider)
         injected = known is not None and state.upstreams.injects_auth(known)
         consumed = state.client_keys.check(request.headers, provider_key_injected=injected)
-    provider, settings, url = _route(request, state)
+    settings, url = _route(request, state, provider, rest)
     request[PROVIDER] = provider
     check_header_bytes(request.headers, skip=state.strip_headers)
     body = await read_body(request, state.config.server.max_body, state.config.server.body_timeout)
@@ -121,7 +124,7 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
         state.metrics.invalid_headers.labels(key).inc()
     state.request_started()
     try:
-        return await Exchange(request, state, provider, settings, url, body, priority, consumed).run()
+        return await Exchange(request, state, provider, settings, url, body, priority, consumed, rest).run()
     except asyncio.CancelledError:
         if getattr(request.protocol, "write_timed_out", False):
             log.warning("provider=%s client accepted no bytes for server.write_timeout; cut off, slot released "
@@ -144,6 +147,7 @@ class Exchange:
         body: bytes,
         priority: Priority,
         consumed: frozenset[str] = frozenset(),
+        rest: str = "",
     ) -> None:
         self.request = request
         self.state = state
@@ -154,7 +158,7 @@ class Exchange:
         self.priority = priority
         self.needs_slot = request.method in settings.slot_methods
         client_wait = client_wait_limit(request.headers) if self.needs_slot else None
-        self.model = request_model(request.match_info.get("rest", ""), body) \
+        self.model = request_model(rest, body) \
             if self.needs_slot and settings.models else None
         self.client_deadline = None if client_wait is None else time.monotonic() + client_wait
         self.response: web.StreamResponse | None = None
