@@ -313,6 +313,9 @@ local function count_against_budget(hash, now)
   if reset > now and reset > hnum(hash, 'held_until', 0) then redis.call('HSET', hash, 'held_until', reset) end
 end
 
+-- The waiter whose own ENQUEUE is running: a grant to it is in the script's answer, so no message is sent.
+local answering = nil
+
 local function grant(id, info, key, now, lease_ttl, channel)
   local levels = {}
   if key ~= '' then table.insert(levels, 'k:' .. key) end
@@ -324,7 +327,7 @@ local function grant(id, info, key, now, lease_ttl, channel)
   redis.call('HINCRBY', BASE .. 'wsheld', info.w, 1)
   redis.call('HSET', KEYS[7], id, id .. ' ' .. now .. ' ' .. key)
   redis.call('HINCRBY', KEYS[1], 'granted', 1)
-  redis.call('PUBLISH', channel .. info.r, id .. ' ' .. id .. ' ' .. now .. ' ' .. key)
+  if id ~= answering then redis.call('PUBLISH', channel .. info.r, id .. ' ' .. id .. ' ' .. now .. ' ' .. key) end
 end
 
 -- Grant waiters while every level they need has room; each grant becomes a lease and a message to its replica.
@@ -419,7 +422,9 @@ local info = {m = waiter_member(starred, tonumber(ARGV[5]), seq, ARGV[1]), r = A
 queue_entry(info)
 redis.call('HSET', KEYS[5], ARGV[1], cjson.encode(info))
 redis.call('ZADD', KEYS[6], now + tonumber(ARGV[9]), ARGV[1])
+answering = ARGV[1]
 dispatch(now, tonumber(ARGV[8]), ARGV[11])
+answering = nil
 local g = redis.call('HGET', KEYS[7], ARGV[1])
 if g then
   redis.call('HDEL', KEYS[7], ARGV[1])

@@ -285,3 +285,23 @@ async def test_a_new_deployment_grants_at_once(private_redis) -> None:
     async with serving(private_redis.url, "new", 1, lease_ttl=30) as backend:
         lease = await asyncio.wait_for(backend.acquire("p", prio()), 0.5)
         lease.release()
+
+
+async def test_a_grant_in_enqueues_own_answer_sends_no_message_and_a_queued_one_does(one_slot) -> None:
+    """ENQUEUE answers its own grant; only a waiter granted later (by a release) is told on the channel."""
+    backend, client = one_slot
+    subscriber = client.pubsub(ignore_subscribe_messages=True)
+    subscriber.subscribe(backend._channel + backend.replica)
+    subscriber.get_message(timeout=1.0)
+    first = await backend.acquire("p", prio())
+    assert subscriber.get_message(timeout=0.3) is None
+    queued = asyncio.ensure_future(backend.acquire("p", prio()))
+    await asyncio.sleep(0.2)
+    first.release()
+    second = await asyncio.wait_for(queued, 5)
+    message = subscriber.get_message(timeout=1.0)
+    assert message is not None and message["type"] == "message"
+    assert message["data"].decode().split(" ")[0] == second.waiter_id
+    second.release()
+    await backend.flush()
+    subscriber.close()
