@@ -40,7 +40,7 @@ VARIANTS = {
     "slot": "no slot taken (the limiter, the watchdog, the grant metrics)",
     "priority": "priority headers not read (workspace, star, prompt age, conversation)",
     "headers": "headers not filtered either way (only Content-Type forwarded, as the bare relay does)",
-    "guard": "no guard around the application (Host, Origin, path checks, answer counts)",
+    "guard": "the guard's checks and counts off (Host, Origin, method and path checks, answer counts)",
     "all": "all four of the above off",
 }
 
@@ -66,8 +66,9 @@ def _switch_off(parts: set[str]) -> None:
         relay.forward_response_headers = lambda incoming, keep_cors=False: [  # type: ignore[assignment]
             ("Content-Type", incoming.get("Content-Type", ""))]
         relay.check_header_bytes = lambda headers, skip: None  # type: ignore[assignment]
-    if "guard" in parts:
-        app.guarded = lambda state, handle: handle  # type: ignore[assignment]
+    if "guard" in parts:  # the guard still dispatches provider paths, as it must for a request to flow
+        app._refusal = lambda request, state: None  # type: ignore[assignment]
+        app._count = lambda request, state, status: None  # type: ignore[assignment]
 
 
 def serve(variant: str, argv: list[str]) -> int:
