@@ -180,12 +180,19 @@ async def start_server(state: ProxyState, host: str, port: int) -> tuple[web.App
     state.listen_on(host)
     runner = GuardedRunner(_build_app(state), state.connections, wrap=partial(guarded, state),
                            handler_cancellation=True, access_log=None)
-    await runner.setup()
-    # A fleet that starts together connects together: aiohttp's default backlog of 128 overflows at a
-    # thousand agents a second (SYNs dropped, a second's retransmit each), so the queue is sized to the
-    # connections the proxy takes (the kernel caps it at net.core.somaxconn).
-    site = web.TCPSite(runner, host, port, reuse_address=True,
-                       backlog=min(state.config.server.max_connections, _MAX_BACKLOG))
-    await site.start()
+    try:
+        await runner.setup()
+        # A fleet that starts together connects together: aiohttp's default backlog of 128 overflows at a
+        # thousand agents a second (SYNs dropped, a second's retransmit each), so the queue is sized to the
+        # connections the proxy takes (the kernel caps it at net.core.somaxconn).
+        site = web.TCPSite(runner, host, port, reuse_address=True,
+                           backlog=min(state.config.server.max_connections, _MAX_BACKLOG))
+        await site.start()
+    except BaseException:  # the port is taken, say: what start() opened (Redis connections) is closed
+        if runner.server is not None:
+            await runner.cleanup()  # the app's cleanup closes the state
+        else:
+            await state.close()
+        raise
     bound = runner.addresses[0][1] if runner.addresses else port
     return runner, bound

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 
+from proxy.app import start_server
+from proxy.config import parse_config
+from proxy.runtime import ProxyState
+
+from .backends.conftest import REDIS_URL, require_redis
 from .conftest import chat, free_port, wait_healthy
 
 pytestmark = pytest.mark.asyncio
@@ -93,3 +100,23 @@ async def test_json_logs_mask_secrets(start_upstream, client, tmp_path: Path) ->
     messages = " ".join(line["message"] for line in lines)
     assert "auto-reduced to 1 after a 429" in messages
     assert secret not in err and "sk-client-key-987654321" not in err
+
+
+async def test_a_port_already_taken_fails_start_up_without_leaving_redis_connections_open() -> None:
+    """start_server opens the backend first; when the listener then cannot bind, what it opened is closed."""
+    require_redis()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    state = ProxyState(parse_config(f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: port-taken}}\n"
+                                    "providers: {p: {upstream: 'http://127.0.0.1:9/v1'}}\n"))
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        with pytest.raises(OSError):
+            await start_server(state, "127.0.0.1", port)
+        name = f"slotproxy-{state.backend.replica}"  # type: ignore[attr-defined]
+        assert [c for c in client.client_list() if c.get("name") == name] == []
+    finally:
+        client.close()
+        taken.close()
