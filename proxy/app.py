@@ -33,11 +33,13 @@ _MAX_BACKLOG = 65535
 
 
 def guarded(state: ProxyState, handle: Handler) -> Handler:
-    """The server's handler: refuse what a proxy beside a browser must never serve, render proxy
-    errors, and count answers, around the application's own routing (``handle``).
+    """The server's handler: refuse what a proxy beside a browser must never serve, relay provider
+    paths, render proxy errors and count answers; the proxy's own paths go to the application's
+    routing (``handle``).
 
     It wraps the application rather than sitting in it as a middleware, so no route, the admin API's
-    included, is reached unguarded, and no middleware layer is paid for on every request. The order
+    included, is reached unguarded. Provider paths skip aiohttp's router, which cost more per request
+    than any other part of the relay's path (``bench/RESULTS.md``, "Lean, second pass"). The order
     matters: who is asking (Host, then Origin) is settled before the method, the path or any route is
     looked at, so a refused page learns nothing.
     """
