@@ -290,11 +290,9 @@ class Exchange:
     async def _stream(
         self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, watch: Watch, prefix: bytes = b""
     ) -> web.StreamResponse:
-        """Relay the body as it arrives."""
+        """Relay the body as it arrives (a small whole answer never comes here: see ``_small_whole``)."""
         length = upstream.content_length
         event_stream = _is_event_stream(upstream)
-        if not prefix and self._small_whole(upstream):
-            return await self._send_whole(upstream, await upstream.read())
         response = self._answer(StreamedAnswer(status=upstream.status, reason=upstream.reason,
                                                    headers=self._response_headers(upstream)), upstream)
         if length is not None:
