@@ -90,6 +90,28 @@ async def open_dashboard(page: Page, proxy: Any) -> None:
     await expect(page.locator("#connection")).to_have_attribute("data-state", "live")
 
 
+async def most_at_once(page: Page, pattern: str, *, delay: float, what: str) -> int:
+    """Answer the page's requests for ``pattern`` ``delay`` seconds late until two were answered; how many
+    were in flight at once at the most (1: the page waits for each before it asks again)."""
+    active = peak = answered = 0
+
+    async def slow(route: Any) -> None:
+        nonlocal active, peak, answered
+        active += 1
+        peak = max(peak, active)
+        try:
+            await asyncio.sleep(delay)
+            await route.continue_()
+        finally:
+            active -= 1
+            answered += 1
+
+    await page.route(pattern, slow)
+    await wait_until(lambda: answered >= 2, timeout=6, what=what)
+    await page.unroute(pattern, slow)
+    return peak
+
+
 async def auto_reduce(proxy: Any, client: Any) -> None:
     """One 429 from upstream: the proxy relays it, pauses and lowers the limit from 3 to 2."""
     async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(stream=False),
@@ -257,23 +279,7 @@ async def test_disconnected_indicator_and_no_overlapping_polls(start_upstream, s
     await expect(indicator).to_have_attribute("data-state", "live")
 
     # A status that takes 1.2 s to answer (longer than the poll interval): polls wait for each other instead of piling up.
-    active = peak = answered = 0
-
-    async def slow(route: Any) -> None:
-        nonlocal active, peak, answered
-        active += 1
-        peak = max(peak, active)
-        try:
-            await asyncio.sleep(1.2)
-            await route.continue_()
-        finally:
-            active -= 1
-            answered += 1
-
-    await page.route("**/_slotproxy/status", slow)
-    await wait_until(lambda: answered >= 2, timeout=6, what="two slow polls")
-    await page.unroute("**/_slotproxy/status", slow)
-    assert peak == 1
+    assert await most_at_once(page, "**/_slotproxy/status", delay=1.2, what="two slow polls") == 1
     await expect(indicator).to_have_attribute("data-state", "live")
 
 
@@ -442,20 +448,4 @@ async def test_history_charts_draw_the_last_minutes_and_fetch_one_at_a_time(
     await expect(card.locator(".legend")).to_contain_text("budget hold")
     await shot("1-charts")
 
-    active = peak = answered = 0
-
-    async def slow(route: Any) -> None:
-        nonlocal active, peak, answered
-        active += 1
-        peak = max(peak, active)
-        try:
-            await asyncio.sleep(0.6)
-            await route.continue_()
-        finally:
-            active -= 1
-            answered += 1
-
-    await page.route("**/_slotproxy/history", slow)
-    await wait_until(lambda: answered >= 2, timeout=6, what="two slow history fetches")
-    await page.unroute("**/_slotproxy/history", slow)
-    assert peak == 1
+    assert await most_at_once(page, "**/_slotproxy/history", delay=0.6, what="two slow history fetches") == 1
