@@ -1,4 +1,5 @@
-"""Queue timeouts with one timer per queue, not one per waiter (both backends use it).
+"""Deadlines with one timer for them all, not one each: the queue timeouts of both backends, and the
+relay's idle timeouts (``proxy.idle``).
 
 Deadlines sit in a min-heap and one timer is armed for the earliest. A waiter
 that leaves early (granted, cancelled) is not searched for: it is skipped when it
@@ -79,6 +80,6 @@ class Deadlines(Generic[W]):
                 break
             heapq.heappop(self._heap)
             if waiter.queued:
-                self._on_due(waiter)
-        if self._heap and self._timer is None:
+                self._on_due(waiter)  # may add() entries, arming for one that is not the earliest
+        if self._heap and (self._armed_for is None or self._heap[0][0] < self._armed_for):
             self._arm(self._heap[0][0])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from proxy.limiter import FakeClock, Lease, LimiterSettings, Priority, ProviderLimiter
+from proxy.limiter.deadlines import Deadlines
 
 T0 = 1_700_000_000.0
 
@@ -50,3 +51,32 @@ def test_a_shorter_queue_timeout_after_a_reload_is_honoured() -> None:
     assert expired == ["new"]
     clock.advance(60)
     assert expired == ["new", "old"]
+
+
+class _Entry:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queued = True
+
+
+def test_an_entry_added_while_due_ones_are_handled_does_not_delay_an_earlier_one() -> None:
+    """on_due may add() (a watch that moved on is put back): the timer still wakes for the earliest left."""
+    clock = FakeClock()
+    due: list[tuple[str, float]] = []
+    start = clock.time()
+
+    def on_due(entry: _Entry) -> None:
+        due.append((entry.name, clock.time() - start))
+        entry.queued = False
+        if entry.name == "first":
+            later = _Entry("put back")
+            deadlines.add(later, clock.time() + 10)
+
+    deadlines: Deadlines[_Entry] = Deadlines(clock, on_due)
+    deadlines.add(_Entry("first"), start + 1)
+    deadlines.add(_Entry("second"), start + 2)
+    clock.advance(1)
+    clock.advance(1)
+    assert due == [("first", 1), ("second", 2)]
+    clock.advance(10)
+    assert due[-1] == ("put back", 11)
