@@ -3,19 +3,31 @@
 A relayed exchange must end when upstream goes quiet for ``idle_timeout``: no
 final headers, or no next chunk. A timer per exchange re-armed on every read
 (what aiohttp's ``sock_read`` does) costs a timer handle per chunk; here a
-chunk only moves the exchange's ``expires_at``. The one timer is armed for the
-earliest entry of a heap; an entry that has moved on is pushed back with its
-new time when it reaches the top, and one that has finished is dropped then,
-or when the heap is compacted.
+chunk only moves the exchange's ``expires_at``. The deadlines sit in the
+limiter's ``Deadlines`` (one timer for the earliest); an entry that has moved on
+when its time comes is put back with its new time, and one that has finished is
+dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
+from collections.abc import Callable
+
+from .limiter.clock import Timer
+from .limiter.deadlines import Deadlines
 
 __all__ = ["IdleWatch", "Watch"]
+
+
+class _LoopTime:
+    """The running loop's monotonic time and timers (a wall clock that jumps must not end an exchange)."""
+
+    def time(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        return asyncio.get_running_loop().call_later(max(0.0, delay), callback)
 
 
 class Watch:
@@ -30,6 +42,11 @@ class Watch:
         self.expires_at = now + delay
         self.done = False
         self.fired = False
+
+    @property
+    def queued(self) -> bool:
+        """Still watched (what ``Deadlines`` asks of its entries)."""
+        return not self.done and not self.fired
 
     def touch(self, now: float) -> None:
         """Upstream made progress at ``now`` (the loop's time)."""
@@ -52,53 +69,28 @@ class Watch:
 
 class IdleWatch:
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Watch]] = []
-        self._order = itertools.count()
+        self._clock = _LoopTime()
+        self._deadlines: Deadlines[Watch] = Deadlines(self._clock, self._due)
         self._live = 0
-        self._timer: asyncio.TimerHandle | None = None
-        self._armed_for: float | None = None
 
     def __len__(self) -> int:
         return self._live
 
     def watch(self, delay: float) -> Watch:
         """A deadline ``delay`` seconds from now for the current task; ``close()`` it when done."""
-        loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
-        entry = Watch(self, task, delay, loop.time())
-        heapq.heappush(self._heap, (entry.expires_at, next(self._order), entry))
+        entry = Watch(self, task, delay, self._clock.time())
         self._live += 1
-        if self._armed_for is None or entry.expires_at < self._armed_for:
-            self._arm(loop, entry.expires_at)
+        self._deadlines.add(entry, entry.expires_at)
         return entry
 
     def _closed(self) -> None:
         self._live -= 1
-        if len(self._heap) > 2 * self._live + 64:
-            self._heap = [item for item in self._heap if not item[2].done]
-            heapq.heapify(self._heap)
+        self._deadlines.settle(self._live)
 
-    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._armed_for = when
-        self._timer = loop.call_at(when, self._due)
-
-    def _due(self) -> None:
-        self._timer = self._armed_for = None
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            _, _, entry = heapq.heappop(heap)
-            if entry.done or entry.fired:
-                continue
-            if entry.expires_at > now:
-                heapq.heappush(heap, (entry.expires_at, next(self._order), entry))
-            else:
-                entry.fire()
-        while heap and heap[0][2].done:
-            heapq.heappop(heap)
-        if heap:
-            self._arm(loop, heap[0][0])
+    def _due(self, entry: Watch) -> None:
+        if entry.expires_at > self._clock.time():
+            self._deadlines.add(entry, entry.expires_at)
+        else:
+            entry.fire()

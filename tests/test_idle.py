@@ -49,7 +49,7 @@ async def test_closed_exchanges_are_dropped_not_kept() -> None:
     for _ in range(1000):
         watches.watch(300.0).close()
     assert len(watches) == 0
-    assert len(watches._heap) <= 64 + 1
+    assert len(watches._deadlines) <= 64 + 1
 
 
 async def test_fire_is_the_watchdogs_abort() -> None:
