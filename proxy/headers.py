@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from multidict import CIMultiDict
+
 from .errors import BadRequest
 from .limiter import Priority
 from .limiter.policy import CLIENT_DEADLINE_MARGIN
@@ -63,18 +65,14 @@ def valid_label(value: str) -> bool:
     return len(value) <= _MAX_LABEL and bool(_LABEL.match(value))
 
 
-def _label(value: str | None) -> str | None:
-    if value is None:
-        return None
+def _label(value: str) -> str:
     value = value.strip()
     if not valid_label(value):
         raise ValueError(value)
     return value
 
 
-def _starred(value: str | None) -> bool:
-    if value is None:
-        return False
+def _starred(value: str) -> bool:
     lowered = value.strip().lower()
     if lowered in _TRUE:
         return True
@@ -83,10 +81,8 @@ def _starred(value: str | None) -> bool:
     raise ValueError(value)
 
 
-def _prompt_started_at(value: str | None, now: float) -> float:
+def _prompt_started_at(value: str, now: float) -> float:
     """Epoch milliseconds or RFC 3339, within [2000-01-01, now + 5 min]; else ValueError."""
-    if value is None:
-        return now
     value = value.strip()
     if _EPOCH_MS.match(value):
         when = float(value) / 1000.0
@@ -108,32 +104,33 @@ def parse_priority(
     ``prompt_started_at``, ``conversation``) of the headers that were invalid.
     """
     invalid: list[str] = []
+    get = headers.get
     workspace, starred, started, conversation = "default", False, now, None
-    try:
-        workspace = _label(headers.get(names.workspace)) or "default"
-    except ValueError:
-        invalid.append("workspace")
-    try:
-        starred = _starred(headers.get(names.starred))
-    except ValueError:
-        invalid.append("starred")
-    raw_started = headers.get(names.prompt_started_at)
-    if raw_started is None:
-        started = _turn_started_at(headers.get(CODEX_TURN_METADATA), now)
-    else:
+    if (raw := get(names.workspace)) is not None:  # each absent header costs one lookup, not a call
         try:
-            started = _prompt_started_at(raw_started, now)
+            workspace = _label(raw) or "default"
+        except ValueError:
+            invalid.append("workspace")
+    if (raw := get(names.starred)) is not None:
+        try:
+            starred = _starred(raw)
+        except ValueError:
+            invalid.append("starred")
+    if (raw := get(names.prompt_started_at)) is not None:
+        try:
+            started = _prompt_started_at(raw, now)
         except ValueError:
             invalid.append("prompt_started_at")
+    elif (raw := get(CODEX_TURN_METADATA)) is not None:
+        started = _turn_started_at(raw, now)
     started = max(started, now - names.max_prompt_age)
-    raw_conversation = headers.get(names.conversation)
-    if raw_conversation is None:
-        conversation = _agent_session(headers)
-    else:
+    if (raw := get(names.conversation)) is not None:
         try:
-            conversation = _label(raw_conversation)
+            conversation = _label(raw)
         except ValueError:
             invalid.append("conversation")
+    else:
+        conversation = _agent_session(headers)
     return Priority(prompt_started_at=started, workspace=workspace, starred=starred, conversation=conversation), invalid
 
 
@@ -143,7 +140,7 @@ AGENT_SESSION_HEADERS = ("X-Claude-Code-Session-Id", "session-id")
 CLIENT_TIMEOUT_HEADERS = ("X-Stainless-Timeout", "X-Stainless-Read-Timeout")
 
 
-def _turn_started_at(metadata: str | None, now: float) -> float:
+def _turn_started_at(metadata: str, now: float) -> float:
     """Codex's ``x-codex-turn-metadata`` JSON: ``turn_started_at_unix_ms``, when valid; else ``now``."""
     if not metadata or len(metadata) > 4096:
         return now
@@ -187,17 +184,28 @@ def client_wait_limit(headers: Mapping[str, str]) -> float | None:
     return max(0.0, min(limits) - CLIENT_DEADLINE_MARGIN) if limits else None
 
 
-def _dropped(headers: Mapping[str, str], always: frozenset[str], also: frozenset[str] = frozenset()) -> frozenset[str]:
-    """The lower-case names not passed on: ``always``, ``also`` and what the Connection header lists."""
-    return _drop_set(always, also, headers.get("connection") or headers.get("Connection"))
-
-
 @functools.lru_cache(maxsize=256)
-def _drop_set(always: frozenset[str], also: frozenset[str], connection: str | None) -> frozenset[str]:
-    """Cached: clients and upstreams send the same few Connection values (``keep-alive``, ``close``) each time."""
+def _not_passed(names: tuple[str, ...], connection: str | None, always: frozenset[str],
+                also: frozenset[str] = frozenset(), keep_cors: bool = True) -> tuple[str, ...]:
+    """Which of ``names`` are not passed on: ``always``, ``also``, what the Connection header lists and,
+    unless ``keep_cors``, ``Access-Control-*``.
+
+    Cached by the names as sent: a client or an upstream sends the same headers in the same order on
+    every request, so the per-request work is a copy and a few deletes, not a test of every name."""
     listed = frozenset(token.strip().lower() for token in connection.split(",") if token.strip()) \
         if connection else frozenset()
-    return always | also | listed
+    drop = always | also | listed
+    return tuple(dict.fromkeys(
+        name for name in names
+        if (lowered := name.lower()) in drop or (not keep_cors and lowered.startswith("access-control-"))))
+
+
+def _passed_on(incoming: Mapping[str, str], always: frozenset[str], also: frozenset[str] = frozenset(),
+               keep_cors: bool = True) -> CIMultiDict[str]:
+    out = CIMultiDict(incoming)
+    for name in _not_passed(tuple(incoming), incoming.get("Connection"), always, also, keep_cors):
+        out.popall(name, None)
+    return out
 
 
 _DROP_UP_WITH_AUTH = _NOT_FORWARDED_UP | {"authorization", "x-api-key"}
@@ -208,18 +216,16 @@ def forward_request_headers(
     *,
     strip: frozenset[str],
     auth: tuple[str, str] | None,
-) -> list[tuple[str, str]]:
+) -> CIMultiDict[str]:
     """Headers to send upstream: hop-by-hop, Host and priority headers dropped; auth replaced.
 
     ``strip`` holds lower-case names to drop (the priority headers). ``auth`` is
     (header, value) of the provider key; when given, the client's own
-    Authorization and x-api-key are both removed first. One pass, no copies:
-    this runs on every request.
+    Authorization and x-api-key are both removed first.
     """
-    drop = _dropped(incoming, _NOT_FORWARDED_UP if auth is None else _DROP_UP_WITH_AUTH, strip)
-    out = [(name, value) for name, value in incoming.items() if name.lower() not in drop]
+    out = _passed_on(incoming, _NOT_FORWARDED_UP if auth is None else _DROP_UP_WITH_AUTH, strip)
     if auth is not None:
-        out.append(auth)
+        out.add(*auth)
     return out
 
 
@@ -227,20 +233,18 @@ def check_header_bytes(incoming: Mapping[str, str], *, skip: frozenset[str]) -> 
     """Refuse forwarded header values with bytes that are not UTF-8 (aiohttp keeps them as lone
     surrogates, and its client would drop them silently on the way upstream). ``skip`` holds the
     lower-case names that are never forwarded (the priority headers: those fall back instead)."""
+    if all(map(str.isascii, incoming.values())):
+        return
     for name, value in incoming.items():
         if not value.isascii() and name.lower() not in skip and any("\udc80" <= ch <= "\udcff" for ch in value):
             raise BadRequest(f"header {name[:64]} carries bytes that are not UTF-8; send it encoded")
 
 
-def forward_response_headers(incoming: Mapping[str, str], *, keep_cors: bool = False) -> list[tuple[str, str]]:
+def forward_response_headers(incoming: Mapping[str, str], *, keep_cors: bool = False) -> CIMultiDict[str]:
     """Headers to relay to the client: everything but hop-by-hop (Content-Length is set separately).
 
     ``Access-Control-*`` headers are relayed only when ``keep_cors``: the request came
     from a browser origin the config allows. Otherwise an upstream's
     ``Access-Control-Allow-Origin: *`` would let any page read the answer.
     """
-    drop = _dropped(incoming, _NOT_RELAYED_DOWN)
-    if keep_cors:
-        return [(name, value) for name, value in incoming.items() if name.lower() not in drop]
-    return [(name, value) for name, value in incoming.items()
-            if (lowered := name.lower()) not in drop and not lowered.startswith("access-control-")]
+    return _passed_on(incoming, _NOT_RELAYED_DOWN, keep_cors=keep_cors)

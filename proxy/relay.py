@@ -369,4 +369,8 @@ async def _to_client(write: Awaitable[object]) -> None:
 
 
 def _is_event_stream(upstream: aiohttp.ClientResponse) -> bool:
-    return upstream.status == 200 and upstream.content_type == "text/event-stream"
+    """Read from the header as sent: aiohttp's ``content_type`` parses it and copies its parameters."""
+    if upstream.status != 200:
+        return False
+    raw = upstream.headers.get("Content-Type")
+    return raw is not None and raw.partition(";")[0].strip().lower() == "text/event-stream"

@@ -1,4 +1,5 @@
-"""Priority from the agents' own headers, and the client's deadline, exactly as the real CLIs send them.
+"""Priority from the agents' own headers, and the client's deadline, exactly as the real CLIs send them;
+then which headers are passed on, each way.
 
 The header values below are copied from Codex CLI 0.171 and Claude Code 2.1.197 requests
 (ids shortened); ``tests/test_provider_signals.py`` drives the same through the relay.
@@ -11,7 +12,13 @@ import json
 import pytest
 from multidict import CIMultiDict
 
-from proxy.headers import PriorityHeaders, client_wait_limit, parse_priority
+from proxy.headers import (
+    PriorityHeaders,
+    client_wait_limit,
+    forward_request_headers,
+    forward_response_headers,
+    parse_priority,
+)
 
 NOW = 1_796_118_500.0
 CODEX_METADATA = json.dumps({
@@ -70,3 +77,28 @@ def test_an_ancient_turn_start_counts_as_max_prompt_age() -> None:
 ])
 def test_the_clients_deadline(headers: dict[str, str], expected: float | None) -> None:
     assert client_wait_limit(CIMultiDict(headers)) == expected
+
+
+def test_forwarded_request_headers_drop_hop_by_hop_listed_and_stripped_names_and_replace_auth() -> None:
+    incoming = CIMultiDict([
+        ("Host", "127.0.0.1:8787"), ("Connection", "keep-alive, X-Trace-Hop"), ("x-trace-hop", "1"),
+        ("Keep-Alive", "timeout=5"), ("Content-Length", "2"), ("Authorization", "Bearer client"),
+        ("X-Api-Key", "client"), ("X-Workspace-Id", "w"), ("Accept", "a"), ("Accept", "b"),
+    ])
+    sent = forward_request_headers(incoming, strip=frozenset({"x-workspace-id"}), auth=("x-api-key", "provider"))
+    assert list(sent.items()) == [("Accept", "a"), ("Accept", "b"), ("x-api-key", "provider")]
+    # The same names with another Connection value: what it lists is dropped, not what the first one listed.
+    incoming["Connection"] = "close"
+    sent = forward_request_headers(incoming, strip=frozenset(), auth=None)
+    assert "x-trace-hop" in sent and "X-Workspace-Id" in sent and sent["Authorization"] == "Bearer client"
+    assert "Connection" not in sent and "Host" not in sent and "Keep-Alive" not in sent
+
+
+def test_relayed_response_headers_keep_repeats_and_cors_only_when_asked() -> None:
+    incoming = CIMultiDict([
+        ("Content-Type", "application/json"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"),
+        ("Transfer-Encoding", "chunked"), ("Content-Length", "10"), ("Access-Control-Allow-Origin", "*"),
+    ])
+    assert list(forward_response_headers(incoming).items()) == [
+        ("Content-Type", "application/json"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")]
+    assert forward_response_headers(incoming, keep_cors=True)["Access-Control-Allow-Origin"] == "*"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .policy import queue_key
 
@@ -21,9 +21,8 @@ WaiterClass = tuple[str | None, str | None] | None
 or None where the provider keeps one heap."""
 
 
-@dataclass(frozen=True, slots=True)
-class Priority:
-    """What a request's headers say about its place in the queue."""
+class Priority(NamedTuple):
+    """What a request's headers say about its place in the queue (a tuple: built on every request)."""
 
     prompt_started_at: float
     workspace: str = "default"
