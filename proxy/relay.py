@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from yarl import URL
 
 from .answers import ALLOWED_ORIGIN, Answer, StreamedAnswer
@@ -335,7 +336,7 @@ class Exchange:
             raise _ClientGone from exc
         return response
 
-    def _response_headers(self, upstream: aiohttp.ClientResponse) -> list[tuple[str, str]]:
+    def _response_headers(self, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
         return forward_response_headers(upstream.headers, keep_cors=ALLOWED_ORIGIN in self.request)
 
     def _answer(self, response: _R, upstream: aiohttp.ClientResponse) -> _R:
