@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from common import (
     HOST,
@@ -42,6 +43,8 @@ VARIANTS = {
     "headers": "headers not filtered either way (only Content-Type forwarded, as the bare relay does)",
     "guard": "the guard's checks and counts off (Host, Origin, method and path checks, answer counts)",
     "all": "all four of the above off",
+    "server": "the relay itself replaced by the bare relay's handler (what is left is slotproxy's server: "
+              "connection limits, the guard, the answers)",
 }
 
 
@@ -66,9 +69,24 @@ def _switch_off(parts: set[str]) -> None:
         relay.forward_response_headers = lambda incoming, keep_cors=False: [  # type: ignore[assignment]
             ("Content-Type", incoming.get("Content-Type", ""))]
         relay.check_header_bytes = lambda headers, skip: None  # type: ignore[assignment]
+    if "server" in parts:
+        app._relayed = _bare_relay_handler  # type: ignore[assignment]
     if "guard" in parts:  # the guard still dispatches provider paths, as it must for a request to flow
         app._refusal = lambda request, state: None  # type: ignore[assignment]
         app._count = lambda request, state, status: None  # type: ignore[assignment]
+
+
+async def _bare_relay_handler(request: Any, state: Any, provider: str, rest: str) -> Any:
+    """``common.bare_relay``'s handler, on the provider's pooled session."""
+    from aiohttp import web
+
+    settings = state.provider(provider)
+    body = await request.read()
+    async with state.upstreams.session_for(settings).post(f"{settings.upstream}/{rest}", data=body,
+                                                          headers={"Content-Type": "application/json"}) as answer:
+        data = await answer.read()
+        return web.Response(body=data, status=answer.status, headers={
+            "Content-Type": answer.headers.get("Content-Type", "application/json")})
 
 
 def serve(variant: str, argv: list[str]) -> int:

@@ -6,8 +6,12 @@ pays an index and an add, not prometheus-client's locked per-sample updates."""
 
 from __future__ import annotations
 
+import functools
+import gc
+import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import (
@@ -26,26 +30,61 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
 
 
-class _WaitHistogram:
-    """One provider's queue waits: a count per bucket (the last one +Inf) and the sum."""
+class _Histogram:
+    """Observations as a count per bucket (the last bound is +Inf) and their sum."""
 
-    __slots__ = ("counts", "total")
+    __slots__ = ("bounds", "counts", "total")
 
-    def __init__(self) -> None:
-        self.counts = [0] * len(_WAIT_BUCKETS)
+    def __init__(self, bounds: tuple[float, ...] = _WAIT_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)
         self.total = 0.0
 
     def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(_WAIT_BUCKETS, seconds)] += 1
+        self.counts[bisect_left(self.bounds, seconds)] += 1
         self.total += seconds
 
     def buckets(self) -> list[tuple[str, float]]:
         running = 0
         out: list[tuple[str, float]] = []
-        for bound, count in zip(_WAIT_BUCKETS, self.counts, strict=True):
+        for bound, count in zip(self.bounds, self.counts, strict=True):
             running += count
             out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
         return out
+
+
+_GC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, float("inf"))
+
+
+class _GcPauses(Collector):
+    """How long the garbage collector stopped the event loop, by generation.
+
+    Every stream the process relays waits while it runs: with a thousand streams open, a full
+    collection takes tens of milliseconds (``bench/RESULTS.md``, "Streams"). The hook is the
+    interpreter's, so there is one per process, shared by every registry."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+        self._pauses = [_Histogram(_GC_BUCKETS) for _ in range(3)]
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        self._pauses[info["generation"]].observe(time.perf_counter() - self._started)
+
+    def collect(self) -> Iterable[Metric]:
+        pauses = HistogramMetricFamily("slotproxy_gc_pause_seconds",
+                                       "Event-loop stops for garbage collection, by generation", labels=["generation"])
+        for generation, histogram in enumerate(self._pauses):
+            pauses.add_metric([str(generation)], histogram.buckets(), histogram.total)
+        yield pauses
+
+
+@functools.cache
+def _process_gc_pauses() -> _GcPauses:
+    return _GcPauses()
 
 
 class _PerRequestCollector(Collector):
@@ -140,9 +179,10 @@ class Metrics:
             ["header"], registry=self.registry,
         )
         self.request_counts: dict[tuple[str, str], int] = {}
-        self.waits: dict[str, _WaitHistogram] = {}
+        self.waits: dict[str, _Histogram] = {}
         self.registry.register(_PerRequestCollector(self))
         self.registry.register(_SnapshotCollector(snapshot, backend))
+        self.registry.register(_process_gc_pauses())
 
     def count_request(self, provider: str, status: str) -> None:
         key = (provider, status)
@@ -152,7 +192,7 @@ class Metrics:
     def observe_wait(self, provider: str, seconds: float) -> None:
         histogram = self.waits.get(provider)
         if histogram is None:
-            histogram = self.waits[provider] = _WaitHistogram()
+            histogram = self.waits[provider] = _Histogram()
         histogram.observe(seconds)
 
     def render(self) -> bytes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -76,3 +78,23 @@ async def test_key_and_model_series_carry_labels_from_the_config_only(start_upst
     assert samples[("slotproxy_model_in_flight", (("model", "big-*"), ("provider", "openai")))] == 0
     models = {dict(labels).get("model") for name, labels in samples if name.startswith("slotproxy_model_")}
     assert models == {"big-*"}, "a model the client named is never a label value"
+
+
+async def test_garbage_collection_pauses_are_counted_by_generation(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream))
+
+    async def pauses() -> dict[tuple[str, str, str | None], float]:
+        async with client.get(f"{proxy.url}/metrics") as resp:
+            text = await resp.text()
+        return {(s.name, s.labels["generation"], s.labels.get("le")): s.value for family in text_string_to_metric_families(text)
+                if family.name == "slotproxy_gc_pause_seconds" for s in family.samples}
+
+    before = await pauses()
+    assert {generation for _, generation, _ in before} == {"0", "1", "2"}
+    gc.collect()
+    after = await pauses()
+    count, total = ("slotproxy_gc_pause_seconds_count", "2", None), ("slotproxy_gc_pause_seconds_sum", "2", None)
+    assert after[count] == before[count] + 1
+    assert after[total] > before[total]
+    assert after[("slotproxy_gc_pause_seconds_bucket", "2", "+Inf")] == after[count]
