@@ -83,6 +83,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -278,6 +279,7 @@ class Run:
     client_lag_max: float
     span_s: float
     tcp: dict[str, int]
+    gc: GcPauses | None = None  # the proxy's, over the run (proxied runs only)
 
     @property
     def error_count(self) -> int:
@@ -293,6 +295,44 @@ class Setup:
     fake_pids: list[int]
     proxy_pid: int
     urls: dict[str, list[str]]  # path -> one URL per fake
+    proxy_metrics: str
+
+
+@dataclass(frozen=True)
+class GcPauses:
+    """The proxy's garbage-collection pauses (``slotproxy_gc_pause_seconds``, every generation): how many,
+    how many over 10 ms, the bucket bound the longest fell under, and their sum."""
+
+    count: int
+    over_10ms: int
+    longest_under_ms: float
+    total_ms: float
+
+    @staticmethod
+    def scrape(metrics_url: str) -> dict[tuple[str, str], float]:
+        """The histogram's samples by (name, le), summed over the generations."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+            text = answer.read().decode()
+        summed: dict[tuple[str, str], float] = {}
+        for family in text_string_to_metric_families(text):
+            if family.name == "slotproxy_gc_pause_seconds":
+                for sample in family.samples:
+                    key = (sample.name, sample.labels.get("le", ""))
+                    summed[key] = summed.get(key, 0.0) + sample.value
+        return summed
+
+    @classmethod
+    def between(cls, before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> GcPauses:
+        grown: dict[tuple[str, str], float] = {key: after[key] - before.get(key, 0.0) for key in after}
+        count = grown.get(("slotproxy_gc_pause_seconds_count", ""), 0.0)
+        bounds = sorted((float(le), value) for (name, le), value in grown.items()
+                        if name == "slotproxy_gc_pause_seconds_bucket")
+        longest = next((bound for bound, value in bounds if value >= count), float("inf"))
+        under_10ms = next((value for bound, value in bounds if bound == 0.01), 0.0)
+        return cls(int(count), int(count - under_10ms), longest * 1000,
+                   grown.get(("slotproxy_gc_pause_seconds_sum", ""), 0.0) * 1000)
 
 
 def tcp_counters() -> dict[str, int]:
@@ -322,6 +362,7 @@ def measure(setup: Setup, clients: Clients, path: str, level: int, chunks: int, 
     timeout = LEAD_S + ramp + stream_s + 60
     steady = (t0 + ramp + STEADY_MARGIN_S, t0 + stream_s - STEADY_MARGIN_S)
     proxy_before = cpu_seconds([setup.proxy_pid])
+    gc_before = GcPauses.scrape(setup.proxy_metrics) if path == "proxied" else None
     tcp_before = tcp_counters()
     clients.send_run(jobs, t0, steady, chunks, delay_ms, timeout)
     window: dict[str, tuple[float, float, float, list[float], tuple[int, int, int]]] = {}
@@ -332,6 +373,7 @@ def measure(setup: Setup, clients: Clients, path: str, level: int, chunks: int, 
                             _cpu(clients.pids), machine_ticks())
     replies = clients.replies(timeout + 30)
     proxy_used = cpu_seconds([setup.proxy_pid]) - proxy_before
+    gc = None if gc_before is None else GcPauses.between(gc_before, GcPauses.scrape(setup.proxy_metrics))
     tcp = {name: count - tcp_before[name] for name, count in tcp_counters().items()}
     if window:
         (w0, p0, f0, c0, m0), (w1, p1, f1, c1, m1) = window["from"], window["to"]
@@ -362,7 +404,7 @@ def measure(setup: Setup, clients: Clients, path: str, level: int, chunks: int, 
         clients_steady_pct=clients_pct, machine_busy_pct=busy_pct, machine_softirq_pct=softirq_pct,
         proxy_ramp_pct=ramp_proxy_pct if path == "proxied" else float("nan"), machine_ramp_busy_pct=ramp_busy_pct,
         client_lag_p99=max(r["lag_p99"] for r in replies), client_lag_max=max(r["lag_max"] for r in replies),
-        span_s=max(r["ended"] for r in replies) - t0, tcp=tcp,
+        span_s=max(r["ended"] for r in replies) - t0, tcp=tcp, gc=gc,
     )
 
 
@@ -388,13 +430,16 @@ def start_servers(procs: Processes, fakes: int, chunks: int, delay_ms: float) ->
         "direct": [f"http://{HOST}:{port}/v1/chat/completions" for port in fake_ports],
         "proxied": [f"http://{HOST}:{proxy_port}/f{index}/chat/completions" for index in range(fakes)],
     }
-    return Setup(fake_pids, proxy.pid, urls)
+    return Setup(fake_pids, proxy.pid, urls, f"http://{HOST}:{proxy_port}/metrics")
 
 
 def _log_run(number: int, level: int, path: str, run: Run) -> None:
     clients = "/".join(f"{c:.0f}" for c in run.clients_steady_pct)
     proxy = (f"  proxy {run.proxy_steady_pct:.0f}% of a core ({run.proxy_ramp_pct:.0f}% during the ramp), "
              f"{run.proxy_us_per_event:.0f} µs/chunk") if path == "proxied" else ""
+    if run.gc is not None:
+        proxy += (f", GC pauses {run.gc.count} ({run.gc.over_10ms} over 10 ms, longest ≤ "
+                  f"{run.gc.longest_under_ms:g} ms, {run.gc.total_ms:.0f} ms in all)")
     log(f"round {number} {level:>5} streams {path:<7} gap p50/p99/max {run.gap_p50:.2f}/{run.gap_p99:.2f}/"
         f"{run.gap_max:.1f} ms (all open: {run.steady_p50:.2f}/{run.steady_p99:.2f})  ttfb p50/p99 "
         f"{run.ttfb_p50:.1f}/{run.ttfb_p99:.1f} ms ({run.ttfb_over_1s} > 1 s)  "
@@ -462,8 +507,8 @@ def _errors(runs: list[Run]) -> str:
 
 def gap_table(results: Results, levels: Sequence[int]) -> Iterator[str]:
     yield ("| streams | path | gap p50 ms | gap p99 ms | gap max ms | added gap p50 ms | added gap p99 ms | "
-           "all open: gap p99 ms | all open: added p99 ms | errors |")
-    yield "|---|---|---|---|---|---|---|---|---|---|"
+           "all open: gap p99 ms | all open: added p99 ms | proxy GC pauses over 10 ms / longest ≤ ms | errors |")
+    yield "|---|---|---|---|---|---|---|---|---|---|---|"
     for level in levels:
         for path in PATHS:
             runs = results.runs[(path, level)]
@@ -471,11 +516,20 @@ def gap_table(results: Results, levels: Sequence[int]) -> Iterator[str]:
                 added = (f"{_added(results, level, lambda r: r.gap_p50).fmt()} | "
                          f"**{_added(results, level, lambda r: r.gap_p99).fmt()}**")
                 steady = _added(results, level, lambda r: r.steady_p99).fmt()
+                pauses = " / ".join(_gc_cells(runs))
             else:
-                added, steady = "— | —", "—"
+                added, steady, pauses = "— | —", "—", "—"
             yield (f"| {level} | {path} | {_spread(runs, lambda r: r.gap_p50).fmt()} | "
                    f"{_spread(runs, lambda r: r.gap_p99).fmt()} | {_spread(runs, lambda r: r.gap_max).fmt(1)} | "
-                   f"{added} | {_spread(runs, lambda r: r.steady_p99).fmt()} | {steady} | {_errors(runs)} |")
+                   f"{added} | {_spread(runs, lambda r: r.steady_p99).fmt()} | {steady} | {pauses} | "
+                   f"{_errors(runs)} |")
+
+
+def _gc_cells(runs: list[Run]) -> tuple[str, str]:
+    """Per round, comma-separated: the pauses over 10 ms, and the bound the longest fell under."""
+    pauses = [run.gc for run in runs if run.gc is not None]
+    return (",".join(str(p.over_10ms) for p in pauses) or "n/a",
+            ",".join(f"{p.longest_under_ms:g}" for p in pauses) or "n/a")
 
 
 def ttfb_table(results: Results, levels: Sequence[int]) -> Iterator[str]:
