@@ -41,7 +41,7 @@ VARIANTS = {
     "slot": "no slot taken (the limiter, the watchdog, the grant metrics)",
     "priority": "priority headers not read (workspace, star, prompt age, conversation)",
     "headers": "headers not filtered either way (only Content-Type forwarded, as the bare relay does)",
-    "guard": "the guard's checks and counts off (Host, Origin, method and path checks, answer counts)",
+    "guard": "the guard's checks off (Host, Origin, method and path checks)",
     "all": "all four of the above off",
     "server": "the relay itself replaced by the bare relay's handler (what is left is slotproxy's server: "
               "connection limits, the guard, the answers)",
@@ -73,7 +73,6 @@ def _switch_off(parts: set[str]) -> None:
         app._relayed = _bare_relay_handler  # type: ignore[assignment]
     if "guard" in parts:  # the guard still dispatches provider paths, as it must for a request to flow
         app._refusal = lambda request, state: None  # type: ignore[assignment]
-        app._count = lambda request, state, status: None  # type: ignore[assignment]
 
 
 async def _bare_relay_handler(request: Any, state: Any, provider: str, rest: str) -> Any:

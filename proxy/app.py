@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from functools import partial
 
 import aiohttp
@@ -16,7 +15,7 @@ from .config.model import RESERVED_PROVIDER_IDS
 from .connections import GuardedRunner, Handler
 from .errors import BadRequest, BodyTooLarge, Forbidden, ProxyError, UnknownProvider
 from .guard import check_path
-from .keys import PROVIDER, STATE, error_response
+from .keys import STATE, error_response
 from .relay import proxy_handler, relay
 from .runtime import ProxyState
 
@@ -34,7 +33,7 @@ _MAX_BACKLOG = 65535
 
 def guarded(state: ProxyState, handle: Handler) -> Handler:
     """The server's handler: refuse what a proxy beside a browser must never serve, relay provider
-    paths, render proxy errors and count answers; the proxy's own paths go to the application's
+    paths and render proxy errors; the proxy's own paths go to the application's
     routing (``handle``).
 
     It wraps the application rather than sitting in it as a middleware, so no route, the admin API's
@@ -64,10 +63,6 @@ def guarded(state: ProxyState, handle: Handler) -> Handler:
                 response = error_response(_ERROR_CODES[exc.status](exc.reason))
             else:
                 response = Answer(status=exc.status, reason=exc.reason, text=exc.text, headers=exc.headers)
-        except asyncio.CancelledError:
-            _count(request, state, "499")
-            raise
-        _count(request, state, str(response.status))
         return response
 
     return guard
@@ -131,12 +126,6 @@ def _preflight(request: BaseRequest, origin: str | None) -> web.Response:
     if asked:
         headers["Access-Control-Allow-Headers"] = asked[:_MAX_REFLECTED]
     return Answer(status=204, headers=headers)
-
-
-def _count(request: BaseRequest, state: ProxyState, status: str) -> None:
-    provider = request.get(PROVIDER)
-    if provider is not None:
-        state.metrics.count_request(provider, status)
 
 
 def _method_not_allowed(message: str) -> web.Response:

@@ -12,11 +12,10 @@ from .answers import Answer, json_answer
 from .errors import ProxyError
 from .runtime import ProxyState
 
-__all__ = ["PROVIDER", "QUEUE_MS_HEADER", "STATE", "error_response"]
+__all__ = ["QUEUE_MS_HEADER", "STATE", "error_response"]
 
 QUEUE_MS_HEADER = "X-Slotproxy-Queue-Ms"
 STATE: web.AppKey[ProxyState] = web.AppKey("slotproxy", ProxyState)
-PROVIDER: web.RequestKey[str] = web.RequestKey("slotproxy_provider", str)
 
 
 def error_response(error: ProxyError, *, queue_ms: int | None = None) -> Answer:

@@ -40,7 +40,7 @@ from .headers import (
     parse_priority,
 )
 from .idle import Watch
-from .keys import PROVIDER, QUEUE_MS_HEADER, STATE, error_response
+from .keys import QUEUE_MS_HEADER, STATE, error_response
 from .limiter import Budget, Priority, SlotLease
 from .model_name import request_model
 from .runtime import ProxyState
@@ -107,7 +107,10 @@ async def proxy_handler(request: web.Request) -> web.StreamResponse:
 
 
 async def relay(request: web.Request, state: ProxyState, provider: str, rest: str) -> web.StreamResponse:
-    """One request to ``/{provider}/{rest}`` (``rest`` decoded; the raw path is what is forwarded)."""
+    """One request to ``/{provider}/{rest}`` (``rest`` decoded; the raw path is what is forwarded).
+
+    Answers from here on are counted under the provider; those refused before it is known are not, so
+    a client cannot add label values."""
     if state.shutting_down:
         raise ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0)
     consumed: frozenset[str] = frozenset()
@@ -117,22 +120,27 @@ async def relay(request: web.Request, state: ProxyState, provider: str, rest: st
         injected = known is not None and state.upstreams.injects_auth(known)
         consumed = state.client_keys.check(request.headers, provider_key_injected=injected)
     settings, url = _route(request, state, provider, rest)
-    request[PROVIDER] = provider
-    check_header_bytes(request.headers, skip=state.strip_headers)
-    body = await read_body(request, state.config.server.max_body, state.config.server.body_timeout)
-    priority, invalid = parse_priority(request.headers, state.priority_headers, time.time())
-    for key in invalid:
-        state.metrics.invalid_headers.labels(key).inc()
     state.request_started()
+    priority: Priority | None = None
     try:
-        return await Exchange(request, state, provider, settings, url, body, priority, consumed, rest).run()
+        check_header_bytes(request.headers, skip=state.strip_headers)
+        body = await read_body(request, state.config.server.max_body, state.config.server.body_timeout)
+        priority, invalid = parse_priority(request.headers, state.priority_headers, time.time())
+        for key in invalid:
+            state.metrics.invalid_headers.labels(key).inc()
+        response = await Exchange(request, state, provider, settings, url, body, priority, consumed, rest).run()
+    except ProxyError as exc:
+        response = error_response(exc)
     except asyncio.CancelledError:
-        if getattr(request.protocol, "write_timed_out", False):
+        state.metrics.count_request(provider, "499")
+        if priority is not None and getattr(request.protocol, "write_timed_out", False):
             log.warning("provider=%s client accepted no bytes for server.write_timeout; cut off, slot released "
                         "(workspace=%s conversation=%s)", provider, priority.workspace, priority.conversation or "-")
         raise
     finally:
         state.request_finished()
+    state.metrics.count_request(provider, str(response.status))
+    return response
 
 
 class Exchange:

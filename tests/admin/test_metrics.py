@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ..conftest import chat, provider_yaml
+from ..conftest import chat, provider_yaml, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -98,3 +99,33 @@ async def test_garbage_collection_pauses_are_counted_by_generation(start_upstrea
     assert after[count] == before[count] + 1
     assert after[total] > before[total]
     assert after[("slotproxy_gc_pause_seconds_bucket", "2", "+Inf")] == after[count]
+
+
+async def test_answers_are_counted_under_their_provider_once_it_is_known(start_upstream, start_proxy, client) -> None:
+    upstream = await start_upstream(chunks=1, delay_ms=1)
+    proxy = await start_proxy("server: {max_body: 1KiB}\n" + provider_yaml(upstream, limit=1))
+    url = f"{proxy.url}/openai/chat/completions"
+    async with client.post(url, data=b"x" * 4096) as resp:
+        assert resp.status == 413
+    async with client.post(f"{proxy.url}/no-such-provider/chat/completions", json=chat()) as resp:
+        assert resp.status == 404
+    holder = asyncio.create_task(client.post(url, json=chat(), headers={"x-fake-stall-ms": "500"}))
+    await wait_until(lambda: proxy.status()["in_flight"] == 1)
+    queued = asyncio.create_task(client.post(url, json=chat()))
+    await wait_until(lambda: proxy.status()["queued"] == 1)
+    queued.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    await wait_until(lambda: proxy.status()["queued"] == 0)
+    async with await holder as held:
+        await held.read()
+    await wait_until(lambda: proxy.state.metrics.request_counts.get(("openai", "200")) == 1)
+    async with client.get(f"{proxy.url}/metrics") as resp:
+        text = await resp.text()
+    counted = {tuple(sorted(s.labels.items())): s.value for family in text_string_to_metric_families(text)
+               if family.name == "slotproxy_requests" for s in family.samples if s.name == "slotproxy_requests_total"}
+    assert counted == {
+        (("provider", "openai"), ("status", "413")): 1,
+        (("provider", "openai"), ("status", "499")): 1,
+        (("provider", "openai"), ("status", "200")): 1,
+    }, "the client that left while queued is a 499; the unknown provider adds no label value"
