@@ -18,8 +18,10 @@ from aiohttp.http import SERVER_SOFTWARE
 
 __all__ = ["ALLOWED_ORIGIN", "Answer", "StreamedAnswer", "json_answer"]
 
-ALLOWED_ORIGIN: web.RequestKey[str] = web.RequestKey("slotproxy_allowed_origin", str)
-"""Set on a request whose Origin header passed the origin rule; upstream CORS headers reach only those."""
+ALLOWED_ORIGIN: web.RequestKey[str | None] = web.RequestKey("slotproxy_allowed_origin", str)
+"""Set by the guard on every request it lets through: the Origin, which passed the origin rule, or None
+(no Origin). Upstream CORS headers reach only a set origin. Always set, because a request mapping's
+missing key costs a raised KeyError on every lookup."""
 
 _OCTET_STREAM = "application/octet-stream"
 

@@ -99,8 +99,7 @@ def _refusal(request: BaseRequest, state: ProxyState) -> web.StreamResponse | No
     if refusal is not None:
         raise Forbidden(refusal)
     origin = headers.get("Origin")
-    if origin is not None:
-        request[ALLOWED_ORIGIN] = origin
+    request[ALLOWED_ORIGIN] = origin
     method = request.method
     if method in _REFUSED_METHODS:
         return _method_not_allowed(f"{method} is not supported: slotproxy is not a forward proxy")

@@ -345,7 +345,7 @@ class Exchange:
         return response
 
     def _response_headers(self, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
-        return forward_response_headers(upstream.headers, keep_cors=ALLOWED_ORIGIN in self.request)
+        return forward_response_headers(upstream.headers, keep_cors=self.request.get(ALLOWED_ORIGIN) is not None)
 
     def _answer(self, response: _R, upstream: aiohttp.ClientResponse) -> _R:
         """The relayed answer to the client, marked as this exchange's: queue header, untyped body noted."""
