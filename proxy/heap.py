@@ -15,6 +15,7 @@ back is bounded by the heap it froze; in the soak benchmark it was under a hundr
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import time
@@ -23,7 +24,7 @@ from typing import Any, Protocol
 
 from .limiter import Clock, Timer
 
-__all__ = ["Collector", "HeapKeeper"]
+__all__ = ["Collector", "HeapKeeper", "PauseHook", "process_pauses"]
 
 log = logging.getLogger("slotproxy")
 
@@ -44,6 +45,46 @@ class Collector(Protocol):
     def collect(self) -> int: ...
 
 
+PauseListener = Callable[[int, float], None]
+"""Told each collection's generation and how long it stopped the process, in seconds."""
+
+
+class PauseHook:
+    """Times every collection through the collector's hook and tells its listeners. Listeners run inside
+    the collector: they only record."""
+
+    def __init__(self, collector: Collector = gc, timer: Callable[[], float] = time.perf_counter) -> None:
+        self._collector = collector
+        self._timer = timer
+        self._started: float | None = None
+        self._listeners: list[PauseListener] = []
+
+    def listen(self, listener: PauseListener) -> None:
+        if not self._listeners:
+            self._collector.callbacks.append(self._on_collection)
+        self._listeners.append(listener)
+
+    def forget(self, listener: PauseListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+        if not self._listeners and self._on_collection in self._collector.callbacks:
+            self._collector.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = self._timer()
+        elif self._started is not None:
+            took, self._started = self._timer() - self._started, None
+            for listener in list(self._listeners):
+                listener(info["generation"], took)
+
+
+@functools.cache
+def process_pauses() -> PauseHook:
+    """The interpreter's collector has one hook list: one ``PauseHook`` on it per process."""
+    return PauseHook()
+
+
 class HeapKeeper:
     """Watches full collections; freezes the heap after a slow one, collects it when load is down to a quarter.
 
@@ -51,42 +92,34 @@ class HeapKeeper:
     """
 
     def __init__(self, load: Callable[[], int], clock: Clock, *, collector: Collector = gc,
-                 timer: Callable[[], float] = time.perf_counter, slow_pass: float = SLOW_FULL_PASS,
-                 check_every: float = CHECK_EVERY) -> None:
+                 pauses: PauseHook | None = None, timer: Callable[[], float] = time.perf_counter,
+                 slow_pass: float = SLOW_FULL_PASS, check_every: float = CHECK_EVERY) -> None:
         self._load = load
         self._clock = clock
         self._gc = collector
+        self._pauses = pauses or process_pauses()
         self._timer = timer
         self._slow_pass = slow_pass
         self._check_every = check_every
-        self._pass_started: float | None = None
         self._slow: float | None = None
         self._frozen_at_load: int | None = None
         self._collecting = False
         self._next: Timer | None = None
 
     def start(self) -> None:
-        self._gc.callbacks.append(self._on_collection)
+        self._pauses.listen(self._on_pause)
         self._next = self._clock.call_later(self._check_every, self.check)
 
     def stop(self) -> None:
-        if self._on_collection in self._gc.callbacks:
-            self._gc.callbacks.remove(self._on_collection)
+        self._pauses.forget(self._on_pause)
         if self._next is not None:
             self._next.cancel()
             self._next = None
 
-    def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
-        """Runs inside the collector: only takes the time; the check acts on it later."""
-        if info.get("generation") != 2 or self._collecting:
-            return
-        if phase == "start":
-            self._pass_started = self._timer()
-        elif self._pass_started is not None:
-            took = self._timer() - self._pass_started
-            self._pass_started = None
-            if took > self._slow_pass:
-                self._slow = max(took, self._slow or 0.0)
+    def _on_pause(self, generation: int, took: float) -> None:
+        """Runs inside the collector: only notes a slow full pass; the check acts on it later."""
+        if generation == 2 and not self._collecting and took > self._slow_pass:
+            self._slow = max(took, self._slow or 0.0)
 
     def check(self) -> None:
         """Once a second: freeze after a slow pass, or collect what a freeze held once load is down to a quarter."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from proxy.heap import HeapKeeper
+from proxy.heap import HeapKeeper, PauseHook
 from proxy.limiter import FakeClock
 
 
@@ -55,7 +55,8 @@ def keeper() -> tuple[HeapKeeper, FakeCollector, FakeClock, list[int]]:
     collector = FakeCollector(timer)
     clock = FakeClock()
     load = [0]
-    instance = HeapKeeper(lambda: load[0], clock, collector=collector, timer=timer)
+    instance = HeapKeeper(lambda: load[0], clock, collector=collector, pauses=PauseHook(collector, timer),
+                          timer=timer)
     instance.start()
     return instance, collector, clock, load
 

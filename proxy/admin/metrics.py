@@ -7,11 +7,8 @@ pays an index and an add, not prometheus-client's locked per-sample updates."""
 from __future__ import annotations
 
 import functools
-import gc
-import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import (
@@ -22,6 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from ..heap import process_pauses
 from ..limiter import ProviderStatus
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -60,19 +58,15 @@ class _GcPauses(Collector):
     """How long the garbage collector stopped the event loop, by generation.
 
     Every stream the process relays waits while it runs: with a thousand streams open, a full
-    collection takes tens of milliseconds (``bench/RESULTS.md``, "Streams"). The hook is the
-    interpreter's, so there is one per process, shared by every registry."""
+    collection takes tens of milliseconds (``bench/RESULTS.md``, "Lean, third pass"). The collector is the
+    process's, so there is one of these per process, shared by every registry."""
 
     def __init__(self) -> None:
-        self._started = 0.0
         self._pauses = [_Histogram(_GC_BUCKETS) for _ in range(3)]
-        gc.callbacks.append(self._on_gc)
+        process_pauses().listen(self._observe)
 
-    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-            return
-        self._pauses[info["generation"]].observe(time.perf_counter() - self._started)
+    def _observe(self, generation: int, took: float) -> None:
+        self._pauses[generation].observe(took)
 
     def collect(self) -> Iterable[Metric]:
         pauses = HistogramMetricFamily("slotproxy_gc_pause_seconds",
