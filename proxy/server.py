@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import logging
 import signal
@@ -18,7 +17,7 @@ from .app import start_server
 from .config import Config, ConfigError, load_config
 from .connections import install_accept_error_log, raise_open_files_limit
 from .errors import ShuttingDown
-from .heap import HeapKeeper
+from .heap import HeapKeeper, settle_heap
 from .limiter import LoopClock
 from .runtime import ProxyState
 
@@ -118,10 +117,7 @@ async def _serve(config: Config, path: str, host: str, port: int) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: watcher.reload("SIGHUP"))
-    # Everything allocated at start-up lives as long as the process: keep the
-    # collector from walking it again on every full collection.
-    gc.collect()
-    gc.freeze()
+    settle_heap()
     heap = HeapKeeper(lambda: state.active_requests, LoopClock(loop))
     heap.start()
     log.info("slotproxy listening on http://%s:%d (providers: %s; config %s); dashboard: %s",

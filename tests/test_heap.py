@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from proxy.heap import HeapKeeper, PauseHook
+from proxy.heap import FULL_PASS_AFTER, HeapKeeper, PauseHook, settle_heap
 from proxy.limiter import FakeClock
 
 
@@ -159,3 +159,14 @@ def test_with_the_real_collector_a_frozen_cycle_is_freed_once_load_falls() -> No
     finally:
         keeper.stop()
         gc.unfreeze()
+
+
+def test_start_up_freezes_what_it_allocated_and_spaces_full_passes() -> None:
+    before = gc.get_threshold()
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (before[0], before[1], FULL_PASS_AFTER)
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
