@@ -144,7 +144,6 @@ class RedisLease:
 
     __slots__ = (
         "_backend",
-        "_watchdog",
         "granted_at",
         "granted_at_ms",
         "key",
@@ -176,14 +175,16 @@ class RedisLease:
         self.renewed_at = asyncio.get_running_loop().time()
         self.released = False
         self.reclaimed = False
-        self._watchdog: asyncio.TimerHandle | None = None
+
+    @property
+    def queued(self) -> bool:
+        """Still held (what the slot-timeout ``Deadlines`` asks of its entries)."""
+        return not self.released
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
-        if self._watchdog is not None:
-            self._watchdog.cancel()
         self._backend._release(self)
 
     def reclaim(self, why: str) -> None:
@@ -278,6 +279,8 @@ class RedisBackend:
         self._local = MemoryBackend(self.clock)
         self._sticky = policy.StickyKeys()
         self._deadlines: Deadlines[_Waiter] = Deadlines(self.clock, self._expire)
+        self._slot_deadlines: Deadlines[RedisLease] = Deadlines(self.clock, self._slot_timed_out)
+        """Every held slot's slot_timeout under one timer, not one each: a grant and a release set none."""
         self.healthy = True
         self.error: str | None = None
         self._closed = False
@@ -545,8 +548,12 @@ class RedisBackend:
         self._leases[lease_id] = lease
         slot_timeout = self._settings[waiter.provider].slot_timeout
         if slot_timeout is not None:
-            lease._watchdog = asyncio.get_running_loop().call_later(slot_timeout, lease.reclaim, "slot_timeout")
+            self._slot_deadlines.add(lease, self.clock.time() + slot_timeout)
         return lease
+
+    @staticmethod
+    def _slot_timed_out(lease: RedisLease) -> None:
+        lease.reclaim("slot_timeout")
 
     def _resolve(self, waiter_id: str, grant: str, *, picked_up_for: str | None = None) -> None:
         """A grant for one of our waiters.
@@ -573,6 +580,7 @@ class RedisBackend:
 
     def _release(self, lease: RedisLease) -> None:
         self._leases.pop(lease.lease_id, None)
+        self._slot_deadlines.settle(len(self._leases))
         provider = lease.provider
         self._send("RELEASE", provider, (lease.lease_id, lease.waiter_id, self._lease_ttl_ms, self._channel),
                    lambda answer: self._schedule_dispatch(provider, int(_text(answer[1]))))
@@ -584,11 +592,12 @@ class RedisBackend:
         ENQUEUE never overtakes the BACKOFF its 429 caused). ``flush()`` waits for it."""
         answer = self._batch.call(name, keys=self._keys_of(provider), args=args)
         self._pending.add(answer)
-        answer.add_done_callback(self._pending.discard)
         answer.add_done_callback(functools.partial(self._answered, name, provider, on_answer))
 
     def _answered(self, name: str, provider: str, on_answer: Callable[[Any], None] | None,
                   answer: asyncio.Future[Any]) -> None:
+        """One done callback (each costs the loop a turn's handle): no longer pending, then the answer."""
+        self._pending.discard(answer)
         if answer.cancelled():
             return
         error = answer.exception()

@@ -208,6 +208,21 @@ async def test_watchdog_reclaims_and_tells_the_holder(backend) -> None:
     lease.release()
 
 
+async def test_watchdog_reclaims_each_slot_at_its_own_time(backend) -> None:
+    await setup(backend, limit=3, slot_timeout=0.5)
+    first = await backend.acquire("p", prio())
+    await asyncio.sleep(0.3)
+    second, returned = await backend.acquire("p", prio()), await backend.acquire("p", prio())
+    returned.release()
+    aborted = {name: asyncio.Event() for name in ("first", "second")}
+    first.on_reclaim, second.on_reclaim = aborted["first"].set, aborted["second"].set
+    await asyncio.wait_for(aborted["first"].wait(), 5)
+    assert not second.reclaimed, "granted 0.3 s later, so due 0.3 s later"
+    await asyncio.wait_for(aborted["second"].wait(), 5)
+    assert not returned.reclaimed
+    assert (await status(backend)).in_flight == 0
+
+
 async def test_config_change_of_the_limit_applies_and_clears_the_mark(backend) -> None:
     await setup(backend, limit=3)
     backend.report_backoff("p", "429", 0.05, time.time())
