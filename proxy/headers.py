@@ -108,7 +108,7 @@ def parse_priority(
     workspace, starred, started, conversation = "default", False, now, None
     if (raw := get(names.workspace)) is not None:  # each absent header costs one lookup, not a call
         try:
-            workspace = _label(raw) or "default"
+            workspace = _label(raw)
         except ValueError:
             invalid.append("workspace")
     if (raw := get(names.starred)) is not None:
