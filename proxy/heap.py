@@ -11,6 +11,10 @@ only reference cycles among them wait. Those are collected once the load that le
 the freeze has fallen to a quarter: the heap is then unfrozen, collected once (a pass
 over what is left, a quarter-sized stop) and frozen again. What one freeze can hold
 back is bounded by the heap it froze; in the soak benchmark it was under a hundred objects.
+
+At start-up (``settle_heap``) what is already allocated is frozen, and full passes are spaced further
+apart than CPython's default. One ``PauseHook`` per process times every collection for the keeper and for
+the ``slotproxy_gc_pause_seconds`` metric.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ log = logging.getLogger("slotproxy")
 FULL_PASS_AFTER = 100
 """Younger collections between two full ones: ten times CPython's 10. A fleet opening a thousand streams at
 once grows the heap by a quarter several times over, and each time CPython walks all of it in a full pass
-that frees nothing (35 ms each, no stream relayed meanwhile): the added chunk-gap p99 at 1 000 streams
-fell from 9–12 ms to 4.9 ms with this, at the same peak RSS (``bench/RESULTS.md``, "Lean, third pass")."""
+that frees next to nothing (17–39 ms each, no stream relayed meanwhile). With this, no collection stopped
+the loop for over 10 ms and the added chunk-gap p99 at 1 000 streams fell from 9–12 ms to 5–7 ms, at the
+same peak RSS (``bench/RESULTS.md``, "Lean, third pass")."""
 
 SLOW_FULL_PASS = 0.05
 CHECK_EVERY = 1.0
