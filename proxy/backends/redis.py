@@ -51,6 +51,7 @@ from ..limiter import (
     policy,
 )
 from ..limiter.deadlines import Deadlines
+from ..limiter.watchdog import SlotWatchdog
 from . import lua
 from .memory import MemoryBackend
 
@@ -176,11 +177,6 @@ class RedisLease:
         self.released = False
         self.reclaimed = False
 
-    @property
-    def queued(self) -> bool:
-        """Still held (what the slot-timeout ``Deadlines`` asks of its entries)."""
-        return not self.released
-
     def release(self) -> None:
         if self.released:
             return
@@ -279,8 +275,9 @@ class RedisBackend:
         self._local = MemoryBackend(self.clock)
         self._sticky = policy.StickyKeys()
         self._deadlines: Deadlines[_Waiter] = Deadlines(self.clock, self._expire)
-        self._slot_deadlines: Deadlines[RedisLease] = Deadlines(self.clock, self._slot_timed_out)
-        """Every held slot's slot_timeout under one timer, not one each: a grant and a release set none."""
+        self._watchdogs: dict[str, SlotWatchdog[RedisLease]] = {}
+        """This replica's held slots per provider, under slot_timeout (a provider dropped by a reload keeps
+        its watchdog for the slots still held)."""
         self.healthy = True
         self.error: str | None = None
         self._closed = False
@@ -363,6 +360,12 @@ class RedisBackend:
 
     def configure(self, providers: Mapping[str, LimiterSettings], starred: frozenset[str]) -> None:
         self._settings = dict(providers)
+        for name, settings in providers.items():
+            watchdog = self._watchdogs.get(name)
+            if watchdog is None:
+                self._watchdogs[name] = SlotWatchdog(self.clock, self._slot_timed_out, settings.slot_timeout)
+            else:
+                watchdog.set_timeout(settings.slot_timeout)
         local = {name: replace(s, limit=self._local_limit or s.limit) for name, s in providers.items()}
         self._local.configure(local, starred)
         for provider in providers:
@@ -546,9 +549,7 @@ class RedisBackend:
                            waiter.seq or 0, key)
         self._sticky.remember(waiter.priority.conversation, key)
         self._leases[lease_id] = lease
-        slot_timeout = self._settings[waiter.provider].slot_timeout
-        if slot_timeout is not None:
-            self._slot_deadlines.add(lease, self.clock.time() + slot_timeout)
+        self._watchdogs[waiter.provider].hold(lease)
         return lease
 
     @staticmethod
@@ -580,7 +581,7 @@ class RedisBackend:
 
     def _release(self, lease: RedisLease) -> None:
         self._leases.pop(lease.lease_id, None)
-        self._slot_deadlines.settle(len(self._leases))
+        self._watchdogs[lease.provider].drop(lease)
         provider = lease.provider
         self._send("RELEASE", provider, (lease.lease_id, lease.waiter_id, self._lease_ttl_ms, self._channel),
                    lambda answer: self._schedule_dispatch(provider, int(_text(answer[1]))))

@@ -24,11 +24,12 @@ from typing import Any, Protocol
 
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit
 from . import policy
-from .clock import Clock, Timer
+from .clock import Clock
 from .deadlines import Deadlines
 from .level import Budget, LimitLevel
 from .policy import QUEUE_LISTED, LimitKey, StickyKeys
 from .queue import Priority, Waiter, WaiterClass, WaiterQueue
+from .watchdog import SlotWatchdog
 
 __all__ = [
     "AdmissionGate",
@@ -295,10 +296,8 @@ class ProviderLimiter:
         self._deadlines: Deadlines[Waiter] = Deadlines(clock, self._expire)
         self._arrivals = itertools.count()
         self._dispatching = False
-        self._active: dict[Lease, None] = {}
-        """Held leases in grant order, which is also slot_timeout order (one timeout for all of them)."""
-        self._watchdog: Timer | None = None
-        self._sweeping = False
+        self._active: SlotWatchdog[Lease] = SlotWatchdog(clock, self._reclaim, settings.slot_timeout)
+        """The held leases, in grant order, under the watchdog."""
         self._by_workspace: dict[str, int] = {}
         self._sticky = StickyKeys()
         self.gate: AdmissionGate | None = None
@@ -561,12 +560,10 @@ class ProviderLimiter:
         lease._levels = levels
         workspace = priority.workspace
         self._by_workspace[workspace] = self._by_workspace.get(workspace, 0) + 1
-        self._active[lease] = None
+        self._active.hold(lease)
         self.counters["granted"] += 1
         if self.gate is not None:
             self.gate.admitted()
-        if self._watchdog is None and not self._sweeping and self._settings.slot_timeout is not None:
-            self._watchdog = self._clock.call_later(self._settings.slot_timeout, self._watch)
         return lease
 
     def _dispatch(self) -> None:
@@ -615,24 +612,6 @@ class ProviderLimiter:
         lease.released = True
         self._free_slot(lease)
 
-    def _watch(self) -> None:
-        """The watchdog's one timer: reclaim every lease held past slot_timeout, then wait for the oldest
-        left. Leases are kept in grant order, so a grant or a release sets no timer of its own."""
-        self._watchdog = None
-        timeout = self._settings.slot_timeout
-        if timeout is None:
-            return
-        now = self._clock.time()
-        self._sweeping = True  # a reclaim may grant a waiter: its lease joins the end and sets no timer
-        try:
-            while self._active and (oldest := next(iter(self._active))).granted_at + timeout <= now:
-                self._reclaim(oldest)
-        finally:
-            self._sweeping = False
-        if self._active:
-            due = next(iter(self._active)).granted_at + timeout
-            self._watchdog = self._clock.call_later(due - now, self._watch)
-
     def _reclaim(self, lease: Lease) -> None:
         """The watchdog: a slot held past slot_timeout is taken back and its holder told to abort."""
         if lease.released:
@@ -648,10 +627,7 @@ class ProviderLimiter:
         self._free_slot(lease)
 
     def _free_slot(self, lease: Lease) -> None:
-        self._active.pop(lease, None)
-        if not self._active and self._watchdog is not None:  # an idle limiter keeps no timer
-            self._watchdog.cancel()
-            self._watchdog = None
+        self._active.drop(lease)
         workspace = lease.priority.workspace
         held = self._by_workspace[workspace] - 1
         if held:
@@ -733,16 +709,7 @@ class ProviderLimiter:
         if (old.classed(), old.max_share is None) != (settings.classed(), settings.max_share is None):
             self._reclassify()
         self.level.apply_settings(settings)
-        if old.slot_timeout != settings.slot_timeout:
-            self._rewatch()
-
-    def _rewatch(self) -> None:
-        """A changed slot_timeout applies to the slots held now as well, counted from their grant."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
-        if self._active and self._settings.slot_timeout is not None:
-            self._watchdog = self._clock.call_later(0.0, self._watch)
+        self._active.set_timeout(settings.slot_timeout)
 
     def _reclassify(self) -> None:
         classes, self._classes, self._queued = self._classes, {}, 0

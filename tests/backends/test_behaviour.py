@@ -223,6 +223,18 @@ async def test_watchdog_reclaims_each_slot_at_its_own_time(backend) -> None:
     assert (await status(backend)).in_flight == 0
 
 
+async def test_a_reload_that_shortens_slot_timeout_applies_to_slots_held_now(backend) -> None:
+    await setup(backend, limit=2, slot_timeout=60.0)
+    held = await backend.acquire("p", prio())
+    aborted = asyncio.Event()
+    held.on_reclaim = aborted.set
+    await asyncio.sleep(0.2)
+    await setup(backend, limit=2, slot_timeout=0.1)
+    await asyncio.wait_for(aborted.wait(), 5)
+    assert held.reclaimed
+    assert (await status(backend)).in_flight == 0
+
+
 async def test_config_change_of_the_limit_applies_and_clears_the_mark(backend) -> None:
     await setup(backend, limit=3)
     backend.report_backoff("p", "429", 0.05, time.time())
