@@ -26,6 +26,7 @@ from common import (
     WRK_LUA,
     Processes,
     WrkFigures,
+    bare_relay_answer,
     cpu_seconds,
     free_port,
     log,
@@ -77,15 +78,9 @@ def _switch_off(parts: set[str]) -> None:
 
 async def _bare_relay_handler(request: Any, state: Any, provider: str, rest: str) -> Any:
     """``common.bare_relay``'s handler, on the provider's pooled session."""
-    from aiohttp import web
-
     settings = state.provider(provider)
-    body = await request.read()
-    async with state.upstreams.session_for(settings).post(f"{settings.upstream}/{rest}", data=body,
-                                                          headers={"Content-Type": "application/json"}) as answer:
-        data = await answer.read()
-        return web.Response(body=data, status=answer.status, headers={
-            "Content-Type": answer.headers.get("Content-Type", "application/json")})
+    return await bare_relay_answer(request, state.upstreams.session_for(settings), f"{settings.upstream}/{rest}",
+                                   streaming=False)
 
 
 def serve(variant: str, argv: list[str]) -> int:

@@ -140,6 +140,25 @@ def run_loop(coro: Coroutine[Any, Any, Any]) -> Any:
 # --- the bare aiohttp relay (ceiling.py, overhead.py): the floor slotproxy is measured against ---
 
 
+async def bare_relay_answer(request: Any, session: aiohttp.ClientSession, url: str, *, streaming: bool) -> Any:
+    """The bare relay's handler: read the body, forward it on ``session`` to ``url``, answer."""
+    from aiohttp import web
+
+    body = await request.read()
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as answer:
+        if not streaming:
+            data = await answer.read()
+            return web.Response(body=data, status=answer.status, headers={
+                "Content-Type": answer.headers.get("Content-Type", "application/json")})
+        response = web.StreamResponse(status=answer.status, headers={
+            "Content-Type": answer.headers.get("Content-Type", "text/event-stream")})
+        await response.prepare(request)
+        async for chunk in answer.content.iter_any():
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+
 async def bare_relay(port: int, upstream: str, prefix: str, *, streaming: bool) -> None:
     """Read the body, forward it with one pooled ClientSession, answer: no limiter, no header rules, no
     metrics. ``streaming``: write each upstream chunk on as it arrives (else read the answer whole).
@@ -150,20 +169,7 @@ async def bare_relay(port: int, upstream: str, prefix: str, *, streaming: bool) 
                                     cookie_jar=aiohttp.DummyCookieJar())
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        async with session.post(upstream + request.match_info["rest"], data=body,
-                                headers={"Content-Type": "application/json"}) as answer:
-            if not streaming:
-                data = await answer.read()
-                return web.Response(body=data, status=answer.status, headers={
-                    "Content-Type": answer.headers.get("Content-Type", "application/json")})
-            response = web.StreamResponse(status=answer.status, headers={
-                "Content-Type": answer.headers.get("Content-Type", "text/event-stream")})
-            await response.prepare(request)
-            async for chunk in answer.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
+        return await bare_relay_answer(request, session, upstream + request.match_info["rest"], streaming=streaming)
 
     app = web.Application()
     app.router.add_post(prefix + "{rest:.*}", handler)
