@@ -36,7 +36,6 @@ from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
-from redis.utils import HIREDIS_AVAILABLE
 
 from ..aio import result_if_any
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit, UnknownProvider
@@ -79,13 +78,23 @@ class _PackedByHiredis:
         return self._serializer.pack(*args)
 
 
+def _hiredis_packs() -> bool:
+    """Whether hiredis is there with its packer (redis-py 5 accepts a hiredis without one)."""
+    try:
+        import hiredis
+    except ImportError:
+        return False
+    return hasattr(hiredis, "pack_command")
+
+
+_HIREDIS_PACKS = _hiredis_packs()
 _packing_classes: dict[type[AbstractConnection], type[AbstractConnection]] = {}
 
 
 def packing_in_c(base: type[AbstractConnection]) -> type[AbstractConnection]:
     """``base`` (the connection class the URL chose: TCP, TLS or a Unix socket) packing commands with
-    hiredis, when it is installed (it comes with the redis extra); else ``base`` as it is."""
-    if not HIREDIS_AVAILABLE:
+    hiredis (installed with slotproxy, as ``redis[hiredis]``); where it is missing, ``base`` as it is."""
+    if not _HIREDIS_PACKS:
         return base
     packing = _packing_classes.get(base)
     if packing is None:
