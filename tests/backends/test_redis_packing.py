@@ -9,7 +9,11 @@ is checked for each URL scheme.
 from __future__ import annotations
 
 import pytest
-from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.connection import (
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+)
 from redis.exceptions import DataError
 
 from proxy.backends.redis import RedisBackend, packing_in_c
