@@ -63,8 +63,9 @@ log = logging.getLogger("slotproxy.redis")
 
 _UNCONFIGURED = -2
 _POOL_SIZE = 32
-"""Redis connections one replica opens at most (one of them the grant listener's): callers beyond it wait
-their turn for a connection, so a deep queue never turns into connection errors."""
+"""Redis connections one replica opens at most: the script batches' own, and a pool of the rest (one of them
+the grant listener's) where callers beyond it wait their turn, so a deep queue never turns into connection
+errors."""
 
 
 class _PackedByHiredis:
@@ -103,15 +104,23 @@ def packing_in_c(base: type[AbstractConnection]) -> type[AbstractConnection]:
 
 
 class ScriptBatch:
-    """Script calls made in one event-loop turn go to Redis as one pipeline: one round trip and one
-    connection for all of them, instead of one each. One batch is in flight at a time, and the calls made
-    meanwhile form the next, so they reach Redis in the order they were made.
+    """Script calls made in one event-loop turn go to Redis as one pipeline: one round trip for all of
+    them, instead of one each. One batch is in flight at a time, and the calls made meanwhile form the
+    next, so they reach Redis in the order they were made.
+
+    With one batch in flight at a time, the batches have a connection of their own, and a batch is
+    packed, sent and read on it directly: redis-py's pipeline and pool around each batch (checkout,
+    command stack, retry wrapper, response callbacks) cost more than the commands themselves. A
+    connection that fails is dropped by redis-py and opened again by the next batch; a first send on a
+    connection a Redis restart broke is tried once more (the pool's ``retry``).
 
     Scripts run by their SHA; a Redis that does not know one (it restarted, or was flushed) is sent the
     script and the calls that missed it are sent again."""
 
     def __init__(self, redis: aioredis.Redis, scripts: Mapping[str, str]) -> None:
         self._redis = redis
+        pool = redis.connection_pool
+        self._connection: AbstractConnection = pool.connection_class(**pool.connection_kwargs)
         self._texts = dict(scripts)
         self._shas = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in scripts.items()}
         self._queued: list[tuple[str, list[str], tuple[Any, ...], asyncio.Future[Any]]] = []
@@ -165,16 +174,26 @@ class ScriptBatch:
                 future.set_result(result)
 
     async def _pipeline(self, batch: list[tuple[str, list[str], tuple[Any, ...], asyncio.Future[Any]]]) -> list[Any]:
-        if len(batch) == 1:  # nothing to coalesce: a plain call costs less than a pipeline of one
-            name, keys, args, _ = batch[0]
-            try:
-                return [await self._redis.evalsha(self._shas[name], len(keys), *keys, *args)]  # type: ignore[misc]
-            except ResponseError as exc:
-                return [exc]
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for name, keys, args, _ in batch:
-                pipe.evalsha(self._shas[name], len(keys), *keys, *args)
-            return await pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+        commands = [("EVALSHA", self._shas[name], len(keys), *keys, *args) for name, keys, args, _ in batch]
+        connection = self._connection
+        return await connection.retry.call_with_retry(  # type: ignore[no-any-return]
+            lambda: _round_trip(connection, commands), lambda _error: connection.disconnect())
+
+    async def close(self) -> None:
+        await self._connection.disconnect()
+
+
+async def _round_trip(connection: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """Send the commands in one write and read their replies in order; an error reply is its command's
+    result. Any other failure leaves the connection closed by redis-py, with nothing left unread."""
+    await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
+    results: list[Any] = []
+    for _ in commands:
+        try:
+            results.append(await connection.read_response())
+        except ResponseError as exc:
+            results.append(exc)
+    return results
 
 
 class RedisLease:
@@ -292,7 +311,7 @@ class RedisBackend:
         self._local_limit = local_limit
         self._channel = f"{key_prefix}:grant:"
         pool = aioredis.BlockingConnectionPool.from_url(
-            url, max_connections=_POOL_SIZE, timeout=None, socket_timeout=2, socket_connect_timeout=2,
+            url, max_connections=_POOL_SIZE - 1, timeout=None, socket_timeout=2, socket_connect_timeout=2,
             retry=_reconnect_once(), client_name=f"slotproxy-{self.replica}")
         pool.connection_class = packing_in_c(pool.connection_class)
         self._redis: aioredis.Redis = aioredis.Redis(connection_pool=pool)
@@ -343,6 +362,7 @@ class RedisBackend:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._batch.close()
         await self._redis.aclose(close_connection_pool=True)
 
     def _spawn(self, coro: Any, *, keep: bool = False) -> asyncio.Task[Any]:

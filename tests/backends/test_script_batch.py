@@ -1,0 +1,67 @@
+"""The Redis backend's script batches against a real Redis: what each call gets back, and how a batch
+recovers from a Redis that forgot its scripts or dropped the batches' connection."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from proxy.backends.redis import ScriptBatch, _reconnect_once, packing_in_c
+
+from .conftest import REDIS_URL, require_redis
+
+pytestmark = pytest.mark.asyncio
+
+SCRIPTS = {
+    "ECHO": "return ARGV[1]",
+    "REFUSE": "return redis.error_reply('refused by the script')",
+    "SUM": "return tonumber(ARGV[1]) + tonumber(ARGV[2])",
+}
+
+
+@pytest.fixture
+async def redis_client() -> AsyncIterator[aioredis.Redis]:
+    require_redis()
+    name = f"slotproxy-batch-test-{uuid.uuid4().hex[:8]}"
+    pool = aioredis.BlockingConnectionPool.from_url(REDIS_URL, retry=_reconnect_once(), client_name=name)
+    pool.connection_class = packing_in_c(pool.connection_class)
+    client = aioredis.Redis(connection_pool=pool)
+    yield client
+    await client.aclose(close_connection_pool=True)
+
+
+async def test_each_call_of_a_batch_gets_its_own_answer_and_an_error_only_its_own(redis_client) -> None:
+    batch = ScriptBatch(redis_client, SCRIPTS)
+    calls = [batch.call("ECHO", keys=[], args=("a",)), batch.call("REFUSE", keys=[], args=()),
+             batch.call("SUM", keys=[], args=(2, 40)), batch.call("ECHO", keys=[], args=("é",))]
+    answers = await asyncio.gather(*calls, return_exceptions=True)
+    await batch.close()
+    assert answers[0] == b"a" and answers[2] == 42 and answers[3] == "é".encode()
+    assert isinstance(answers[1], ResponseError) and "refused by the script" in str(answers[1])
+
+
+async def test_scripts_a_flushed_redis_forgot_are_loaded_again(redis_client) -> None:
+    batch = ScriptBatch(redis_client, SCRIPTS)
+    assert await batch.call("SUM", keys=[], args=(1, 1)) == 2
+    await redis_client.script_flush()
+    answers = await asyncio.gather(batch.call("SUM", keys=[], args=(2, 2)), batch.call("ECHO", keys=[], args=("x",)))
+    await batch.close()
+    assert answers == [4, b"x"]
+
+
+async def test_a_killed_connection_is_opened_again_for_the_next_batch(redis_client) -> None:
+    batch = ScriptBatch(redis_client, SCRIPTS)
+    assert await batch.call("ECHO", keys=[], args=("before",)) == b"before"
+    name = redis_client.connection_pool.connection_kwargs["client_name"]
+    own = [client["id"] for client in await redis_client.client_list() if client.get("name") == name
+           and client.get("cmd") != "client|list"]
+    assert own, "the batches' connection is listed under the pool's client name"
+    for client_id in own:
+        await redis_client.client_kill_filter(_id=client_id)
+    assert await batch.call("ECHO", keys=[], args=("after",)) == b"after"
+    await batch.close()
