@@ -65,6 +65,7 @@ from common import (
     wait_http,
 )
 from overhead import BODY, PATH_PROXIED, slotproxy_yaml, start_nginx
+from redis_backend import backend_yaml, config_yaml
 
 VALGRIND_STARTUP_TIMEOUT = 180.0
 
@@ -185,10 +186,8 @@ def config_text(port: int, upstream: str, backend: str, redis_url: str) -> str:
     ``redis_backend.py`` (``limit: 10000``, so a slot is taken and given back in Redis) on either backend."""
     if backend == "memory" and redis_url == "":
         return slotproxy_yaml(port, {"bench": upstream})
-    kind = "{kind: memory}" if backend == "memory" else \
-        f"{{kind: redis, url: '{redis_url}', key_prefix: 'slotproxy-instructions-{port}', lease_ttl: 30s}}"
-    return (f"server: {{host: {HOST}, port: {port}, shutdown_grace: 1s}}\nstate: {{path: null}}\nbackend: {kind}\n"
-            f"providers:\n  bench: {{upstream: '{upstream}', limit: 10000}}\n")
+    return config_yaml(port, backend_yaml(backend, redis_url, f"slotproxy-instructions-{port}"), "bench", upstream,
+                       limit=10_000)
 
 
 def start_targets(procs: Processes, args: argparse.Namespace, upstream_port: int) -> list[Counted]:

@@ -241,16 +241,21 @@ def backend_yaml(kind: str, redis_url: str, prefix: str) -> str:
     return f"backend: {{kind: redis, url: '{redis_url}', key_prefix: '{prefix}', lease_ttl: 30s}}"
 
 
-def start_slotproxy(procs: Processes, name: str, backend: str, provider: str, upstream: str, limit: int) \
-        -> tuple[subprocess.Popen[bytes], int]:
-    port = free_port()
-    config = "\n".join([
+def config_yaml(port: int, backend: str, provider: str, upstream: str, limit: int) -> str:
+    """One provider's config on ``backend`` (a ``backend_yaml`` line)."""
+    return "\n".join([
         f"server: {{host: {HOST}, port: {port}, shutdown_grace: 1s}}",
         "state: {path: null}",
         backend,
         "providers:",
         f"  {provider}: {{upstream: '{upstream}', limit: {limit}}}",
     ]) + "\n"
+
+
+def start_slotproxy(procs: Processes, name: str, backend: str, provider: str, upstream: str, limit: int) \
+        -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    config = config_yaml(port, backend, provider, upstream, limit)
     return start_serve(procs, name, port, config, ready_path="/readyz", require_200=True), port
 
 
