@@ -120,6 +120,8 @@ class ScriptBatch:
     def __init__(self, redis: aioredis.Redis, scripts: Mapping[str, str]) -> None:
         self._redis = redis
         pool = redis.connection_pool
+        # Built as the pool builds its own, but outside it: the pool's make_connection counts what it
+        # makes in some redis-py versions, and this one is never checked out or returned.
         self._connection: AbstractConnection = pool.connection_class(**pool.connection_kwargs)
         self._texts = dict(scripts)
         self._shas = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in scripts.items()}
