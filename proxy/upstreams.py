@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import aiohttp
+from multidict import CIMultiDict
 
 from .config import ProviderSettings
 
 __all__ = ["Upstreams"]
 
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+_SKIPPED: CIMultiDict[None] = CIMultiDict((name, None) for name in sorted(_SKIP_AUTO_HEADERS))
+
+
+class _RelayedRequest(aiohttp.ClientRequest):
+    """An upstream request that carries the headers the relay gives it, and no others but Host.
+
+    aiohttp adds Accept, Accept-Encoding and User-Agent to a request without them, and a Content-Type to a
+    body; a relay must not. The session's ``skip_auto_headers`` says so, and aiohttp honours it by
+    building a multidict of the skipped names and a copy of the request's headers for every request.
+    Every one of these sessions skips the same names, so that multidict is built once; aiohttp only
+    reads it."""
+
+    def update_auto_headers(self, skip_auto_headers: Iterable[str] | None) -> None:
+        self._skip_auto_headers = _SKIPPED
 
 
 class Upstreams:
@@ -54,6 +69,7 @@ class Upstreams:
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),
                 skip_auto_headers=_SKIP_AUTO_HEADERS,
+                request_class=_RelayedRequest,
                 trust_env=False,
             )
             self._sessions[settings.tls_verify] = session

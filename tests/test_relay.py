@@ -146,6 +146,40 @@ async def test_priority_headers_stripped_and_provider_key_replaces_client_auth(
         assert secret not in text
 
 
+@pytest.mark.parametrize("sent", [
+    [],
+    [("User-Agent", "agent/1.0"), ("Accept", "text/event-stream"), ("Accept-Encoding", "identity"),
+     ("Content-Type", "application/json")],
+])
+async def test_upstream_gets_the_clients_headers_and_none_of_the_http_clients_own(start_proxy, sent) -> None:
+    """No Accept, Accept-Encoding, User-Agent or Content-Type of aiohttp's is added on the way up; the
+    client's own go through as sent."""
+    seen: list[list[tuple[str, str]]] = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append([(name.decode(), value.decode()) for name, value in request.raw_headers])
+        return web.json_response({"object": "chat.completion"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", record)
+    runner, port = await serve_app(app)
+    try:
+        proxy = await start_proxy(f"state: {{path: null}}\nproviders:\n  openai: {{upstream: 'http://127.0.0.1:{port}/v1'}}\n")
+        body = b'{"model": "fake"}'
+        lines = ["POST /openai/chat/completions HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(body)}",
+                 "Connection: close", *(f"{name}: {value}" for name, value in sent)]
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write("\r\n".join(lines).encode() + b"\r\n\r\n" + body)
+        answer = await reader.read()
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+    finally:
+        await runner.cleanup()
+    names = {name.lower(): value for name, value in seen[0]}
+    assert set(names) == {"host", "content-length"} | {name.lower() for name, _ in sent}, seen
+    assert all(names[name.lower()] == value for name, value in sent)
+
+
 async def test_x_api_key_auth_replaces_both_client_credentials(start_upstream, start_proxy, client, monkeypatch) -> None:
     monkeypatch.setenv("FAKE_ANTHROPIC_KEY", "sk-ant-secret-abcdef")
     upstream = await start_upstream()
