@@ -71,7 +71,7 @@ def _switch_off(parts: set[str]) -> None:
             ("Content-Type", incoming.get("Content-Type", ""))]
         relay.check_header_bytes = lambda headers, skip: None  # type: ignore[assignment]
     if "server" in parts:
-        app._relayed = _bare_relay_handler  # type: ignore[assignment]
+        app.relay = _bare_relay_handler  # type: ignore[assignment]
     if "guard" in parts:  # the guard still dispatches provider paths, as it must for a request to flow
         app._refusal = lambda request, state: None  # type: ignore[assignment]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import cast
 
 import aiohttp
 from aiohttp import web
@@ -54,8 +55,11 @@ def guarded(state: ProxyState, handle: Handler) -> Handler:
             provider, rest = _provider_path(request.path)
             if provider is None:
                 response = await handle(request)
-            else:
-                response = await _relayed(request, state, provider, rest)
+            else:  # the application's requests are web.Requests: it makes them
+                relayed = cast(web.Request, request)
+                refused = await _answer_expect(relayed, state.config.server.max_body) \
+                    if request.headers.get("Expect") else None
+                response = refused if refused is not None else await relay(relayed, state, provider, rest)
         except ProxyError as exc:
             response = error_response(exc)
         except web.HTTPException as exc:  # the router's 404 and 405
@@ -75,15 +79,6 @@ def _provider_path(path: str) -> tuple[str | None, str]:
     if not first or first[0] == "_" or first in RESERVED_PROVIDER_IDS:
         return None, ""
     return first, rest
-
-
-async def _relayed(request: BaseRequest, state: ProxyState, provider: str, rest: str) -> web.StreamResponse:
-    assert isinstance(request, web.Request)
-    if request.headers.get("Expect"):
-        refused = await _answer_expect(request, state.config.server.max_body)
-        if refused is not None:
-            return refused
-    return await relay(request, state, provider, rest)
 
 
 def _refusal(request: BaseRequest, state: ProxyState) -> web.StreamResponse | None:
