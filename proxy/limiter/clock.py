@@ -55,11 +55,14 @@ class FakeClock:
         self._now = start
         self._timers: list[tuple[float, int, _FakeTimer, Callable[[], None]]] = []
         self._order = itertools.count()
+        self.timers_set = 0
+        """How many timers were ever set: what a test of "sets no timer" counts."""
 
     def time(self) -> float:
         return self._now
 
     def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        self.timers_set += 1
         timer = _FakeTimer()
         heapq.heappush(self._timers, (self._now + max(0.0, delay), next(self._order), timer, callback))
         return timer

@@ -46,7 +46,11 @@ class Deadlines(Generic[W]):
             self._arm(deadline)
 
     def settle(self, live: int) -> None:
-        """Drop waiters that already left from the top; compact when mostly dead; disarm when empty."""
+        """Drop waiters that already left from the top; compact when mostly dead.
+
+        The timer is left armed when the last one leaves: a lone request at a time would otherwise set a
+        timer and cancel it every time. The next waiter is most often due later than it, so it needs none;
+        when the timer fires with nothing due, it is not armed again."""
         if not self._heap:
             return
         while self._heap and not self._heap[0][2].queued:
@@ -54,8 +58,6 @@ class Deadlines(Generic[W]):
         if len(self._heap) > 2 * live + 64:
             self._heap = [entry for entry in self._heap if entry[2].queued]
             heapq.heapify(self._heap)
-        if not self._heap:
-            self.clear()
 
     def clear(self) -> None:
         self._heap.clear()

@@ -41,11 +41,9 @@ class SlotWatchdog(Generic[S]):
             self._timer = self._clock.call_later(self._timeout, self._sweep)
 
     def drop(self, slot: S) -> None:
-        """The slot was returned (or taken back): it is not watched any more. An idle watchdog keeps no timer."""
+        """The slot was returned (or taken back): it is not watched any more. The timer is left to run out
+        (as ``Deadlines`` leaves its own): the next slot taken is due after it, so it sets none."""
         self._held.pop(slot, None)
-        if not self._held and self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     def set_timeout(self, timeout: float | None) -> None:
         if timeout == self._timeout:

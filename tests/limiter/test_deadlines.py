@@ -24,19 +24,40 @@ def test_one_timer_serves_every_waiting_request() -> None:
     assert clock.pending == 0
 
 
-def test_granted_and_cancelled_waiters_release_their_callbacks_and_the_timer() -> None:
+def test_granted_and_cancelled_waiters_release_their_callbacks_and_the_timer_runs_out_idle() -> None:
     clock = FakeClock(T0)
     limiter = ProviderLimiter("p", LimiterSettings(limit=1, queue_timeout=10.0, slot_timeout=None), clock)
     holder = limiter.try_acquire(Priority(prompt_started_at=T0))
     assert holder is not None
     granted: list[Lease] = []
-    first = limiter.enqueue(Priority(prompt_started_at=T0), granted.append)
-    second = limiter.enqueue(Priority(prompt_started_at=T0), granted.append)
+    rejected: list[object] = []
+    first = limiter.enqueue(Priority(prompt_started_at=T0), granted.append, rejected.append)
+    second = limiter.enqueue(Priority(prompt_started_at=T0), granted.append, rejected.append)
     limiter.cancel(second)
     holder.release()
     assert len(granted) == 1
     assert first.on_grant is None and second.on_grant is None
-    assert clock.pending == 0
+    clock.advance(10.0)
+    assert clock.pending == 0 and not rejected and len(granted) == 1
+
+
+def test_a_waiter_after_the_last_one_left_sets_no_timer_of_its_own() -> None:
+    """A lone request at a time: the timer the first one set serves the next, and is armed again for it
+    when it fires early."""
+    clock = FakeClock()
+    due: list[str] = []
+    deadlines: Deadlines[_Entry] = Deadlines(clock, lambda entry: due.append(entry.name))
+    first = _Entry("first")
+    deadlines.add(first, clock.time() + 10)
+    first.queued = False
+    deadlines.settle(0)
+    clock.advance(1)
+    deadlines.add(_Entry("second"), clock.time() + 10)
+    assert clock.timers_set == 1
+    clock.advance(9)
+    assert due == [] and clock.pending == 1
+    clock.advance(1)
+    assert due == ["second"] and clock.pending == 0
 
 
 def test_a_shorter_queue_timeout_after_a_reload_is_honoured() -> None:

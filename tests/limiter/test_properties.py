@@ -518,13 +518,16 @@ class LimiterMachine(RuleBasedStateMachine):
         if getattr(self, "clean", False):
             self._drain()
             # Then a long quiet spell: the pause ends, recovery (when configured) climbs
-            # back all the way, and no timer is left behind (waiters' and watchdogs' included).
+            # back all the way, and no timer outlives it (waiters' and watchdogs' included: an idle
+            # one is left to run out, within a slot_timeout or a queue_timeout).
             if self.pause_fires_at is not None:
                 self._advance(self.pause_fires_at - self.clock.time())
             while self.recovery_at is not None:
                 self._advance(self.recovery_at - self.clock.time())
             self.statistics_agree_with_the_model()
             assert self.config.recovery_after is None or self.auto_reduced_from is None
+            self._advance(max(self.config.slot_timeout or 0.0, self.config.queue_timeout or 0.0))
+            self.statistics_agree_with_the_model()
             assert self.clock.pending == 0, f"{self.clock.pending} timers left behind by an idle limiter"
 
 
