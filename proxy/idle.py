@@ -33,7 +33,7 @@ class _LoopTime:
 class Watch:
     """One exchange's idle deadline; ``fire()`` (also the watchdog's abort) cancels its task."""
 
-    __slots__ = ("_owner", "_task", "delay", "done", "expires_at", "fired")
+    __slots__ = ("_owner", "_task", "delay", "done", "expires_at", "fired", "queued")
 
     def __init__(self, owner: IdleWatch, task: asyncio.Task[object], delay: float, now: float) -> None:
         self._owner = owner
@@ -42,24 +42,23 @@ class Watch:
         self.expires_at = now + delay
         self.done = False
         self.fired = False
-
-    @property
-    def queued(self) -> bool:
-        """Still watched (what ``Deadlines`` asks of its entries)."""
-        return not self.done and not self.fired
+        self.queued = True
+        """Still watched, neither fired nor closed (what ``Deadlines`` asks of its entries)."""
 
     def touch(self, now: float) -> None:
         """Upstream made progress at ``now`` (the loop's time)."""
         self.expires_at = now + self.delay
 
     def fire(self) -> None:
-        if not self.fired and not self.done:
+        if self.queued:
+            self.queued = False
             self.fired = True
             self._task.cancel()
 
     def close(self) -> None:
         if not self.done:
             self.done = True
+            self.queued = False
             self._owner._closed()
 
     def absorbed(self) -> bool:
