@@ -145,7 +145,8 @@ class ProxyState:
 
     def request_started(self) -> None:
         self.active_requests += 1
-        self.idle.clear()
+        if self.active_requests == 1:
+            self.idle.clear()
 
     def request_finished(self) -> None:
         self.active_requests -= 1
