@@ -13,7 +13,6 @@ the gap between slotproxy and the target can be read as "slotproxy's own cost" a
 from __future__ import annotations
 
 import argparse
-import shutil
 import signal
 import sys
 import tempfile
@@ -27,10 +26,12 @@ from common import (
     Spread,
     WrkFigures,
     bare_relay,
+    command_line,
     cpu_seconds,
     free_port,
     log,
     machine_note,
+    missing_tools,
     nginx_version,
     raise_on_sigterm,
     run_loop,
@@ -130,12 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.relay:
         run_relay(int(args.relay[0]), args.relay[1])
         return 0
-    for tool in ("nginx", "wrk"):
-        if shutil.which(tool) is None:
-            print(f"ceiling.py: {tool} not found on PATH (apt-get install nginx wrk)", file=sys.stderr)
-            return 2
+    if missing_tools("ceiling.py", ("nginx", "wrk"), "nginx wrk"):
+        return 2
     signal.signal(signal.SIGTERM, raise_on_sigterm)
-    command = " ".join(["python", "bench/ceiling.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("ceiling.py", argv)
     with tempfile.TemporaryDirectory(prefix="slotproxy-ceiling-") as tmp:
         results = measure(args, Path(tmp))
     print(report(results, command))

@@ -16,6 +16,7 @@ import multiprocessing.connection
 import os
 import platform
 import resource
+import shutil
 import signal
 import socket
 import statistics
@@ -111,6 +112,21 @@ def raise_nofile() -> int:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return hard
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """How this run was started, as RESULTS.md quotes it: ``python bench/<script> <its arguments>``."""
+    return " ".join(["python", f"bench/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def missing_tools(script: str, tools: Sequence[str], install: str) -> bool:
+    """Whether one of ``tools`` is not on PATH; the first missing one is named on stderr with the Debian
+    packages that bring it (``install``)."""
+    for tool in tools:
+        if shutil.which(tool) is None:
+            print(f"{script}: {tool} not found on PATH (apt-get install {install})", file=sys.stderr)
+            return True
+    return False
 
 
 def raise_on_sigterm(signum: int, frame: object) -> None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -56,9 +55,11 @@ from common import (
     HOST,
     Processes,
     Spread,
+    command_line,
     free_port,
     log,
     machine_note,
+    missing_tools,
     raise_on_sigterm,
     split,
     static_nginx_conf,
@@ -290,12 +291,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    for tool in ("valgrind", "callgrind_control", "nginx"):
-        if shutil.which(tool) is None:
-            print(f"instructions.py: {tool} not found on PATH (apt-get install valgrind nginx)", file=sys.stderr)
-            return 2
+    if missing_tools("instructions.py", ("valgrind", "callgrind_control", "nginx"), "valgrind nginx"):
+        return 2
     signal.signal(signal.SIGTERM, raise_on_sigterm)
-    command = " ".join(["python", "bench/instructions.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("instructions.py", argv)
     with tempfile.TemporaryDirectory(prefix="slotproxy-instructions-") as tmp:
         results = measure(args, Path(tmp))
     print(report(results, args, command))

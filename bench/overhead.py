@@ -51,7 +51,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -71,11 +70,13 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     WrkFigures,
     bare_relay,
     children_of,
+    command_line,
     cpu_seconds,
     free_port,
     launch_nginx,
     log,
     machine_note,
+    missing_tools,
     nginx_head,
     nginx_version,
     pass_miss_table,
@@ -608,13 +609,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sse_relay:
         run_sse_relay(int(args.sse_relay[0]), args.sse_relay[1])
         return 0
-    for tool in ("nginx", "wrk"):
-        if shutil.which(tool) is None:
-            print(f"overhead.py: {tool} not found on PATH", file=sys.stderr)
-            return 2
+    if missing_tools("overhead.py", ("nginx", "wrk"), "nginx wrk"):
+        return 2
     signal.signal(signal.SIGTERM, raise_on_sigterm)
     log(f"open-file limit raised to {raise_nofile()}")
-    command = " ".join(["python", "bench/overhead.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("overhead.py", argv)
     with tempfile.TemporaryDirectory(prefix="slotproxy-overhead-") as tmp:
         results = run_all(args, Path(tmp))
     print(report(results, args, command))

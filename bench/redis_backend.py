@@ -63,7 +63,6 @@ import asyncio
 import datetime
 import json
 import math
-import shutil
 import signal
 import statistics
 import subprocess
@@ -86,6 +85,7 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     Spread,
     WrkFigures,
     agent_body,
+    command_line,
     count_refusal,
     cpu_seconds,
     fmt,
@@ -94,6 +94,7 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     launch_nginx,
     log,
     machine_note,
+    missing_tools,
     nginx_version,
     pass_miss_table,
     pct,
@@ -696,10 +697,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    for tool in ("nginx", "wrk"):
-        if shutil.which(tool) is None:
-            print(f"redis_backend.py: {tool} not found on PATH", file=sys.stderr)
-            return 2
+    if missing_tools("redis_backend.py", ("nginx", "wrk"), "nginx wrk"):
+        return 2
     info = RedisInfo(args.redis_url)
     try:
         info.ping()
@@ -708,7 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, raise_on_sigterm)
     log(f"open-file limit raised to {raise_nofile()}")
-    command = " ".join(["python", "bench/redis_backend.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("redis_backend.py", argv)
     base = f"slotproxy-bench-{uuid.uuid4().hex[:10]}"
     try:
         with tempfile.TemporaryDirectory(prefix="slotproxy-redis-bench-") as tmp:

@@ -114,6 +114,7 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     HOST,
     Processes,
     agent_body,
+    command_line,
     count_refusal,
     fmt,
     free_port,
@@ -649,7 +650,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, raise_on_sigterm)
-    command = " ".join(["python", "bench/saturation.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("saturation.py", argv)
     if args.logs is not None:
         args.logs.mkdir(parents=True, exist_ok=True)
         results = run_all(args, args.logs)

@@ -96,6 +96,7 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     HOST,
     ClientPool,
     Processes,
+    command_line,
     free_port,
     get_json,
     log,
@@ -813,7 +814,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hard < need:
         print(f"soak.py: the open-file hard limit {hard} is below the ~{need} sockets the proxy needs", file=sys.stderr)
         return 2
-    command = " ".join(["python", "bench/soak.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("soak.py", argv)
     with tempfile.TemporaryDirectory(prefix="slotproxy-soak-") as tmp:
         results = run_all(args, Path(tmp))
     print(report(results, args, command))

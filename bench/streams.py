@@ -96,6 +96,7 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     ClientPool,
     Processes,
     Spread,
+    command_line,
     cpu_seconds,
     log,
     machine_note,
@@ -667,7 +668,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"streams.py: the open-file hard limit {hard} is below the ~{need} sockets the proxy needs",
               file=sys.stderr)
         return 2
-    command = " ".join(["python", "bench/streams.py", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("streams.py", argv)
     with tempfile.TemporaryDirectory(prefix="slotproxy-streams-") as tmp:
         results = run_all(args, Path(tmp))
     print(report(results, args, command))
