@@ -19,7 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from .answers import ALLOWED_ORIGIN, Answer, StreamedAnswer
+from .answers import ALLOWED_ORIGIN, Answer, StreamedAnswer, WrittenAnswer
 from .body import read_body
 from .budgets import read_budget
 from .errors import (
@@ -335,9 +335,15 @@ class Exchange:
 
     async def _send_whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.StreamResponse:
         """A small fixed-length answer: headers and body leave in one write, still before the slot is released."""
-        response = self._answer(Answer(status=upstream.status, reason=upstream.reason, body=body,
-                                             headers=self._response_headers(upstream)), upstream)
-        try:  # _to_client's job, written out for both writes
+        headers = self._response_headers(upstream)
+        headers[QUEUE_MS_HEADER] = str(self.queue_ms)
+        try:  # _to_client's job, written out for both kinds of answer
+            if WrittenAnswer.fits(self.request.method, upstream.status):
+                written = self.response = WrittenAnswer(status=upstream.status, reason=upstream.reason)
+                await written.send(self.request, headers, body)
+                return written
+            response = self._answer(Answer(status=upstream.status, reason=upstream.reason, body=body,
+                                           headers=headers), upstream)
             await response.prepare(self.request)
             await response.write_eof()
         except ConnectionError as exc:

@@ -180,6 +180,75 @@ async def test_upstream_gets_the_clients_headers_and_none_of_the_http_clients_ow
     assert all(names[name.lower()] == value for name, value in sent)
 
 
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[str, dict[str, str], bytes]:
+    """One answer off a client connection: status line, headers (lower-cased names), body by Content-Length."""
+    head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).decode()
+    status_line, *lines = head.split("\r\n")[:-2]
+    headers = {name.lower(): value for name, _, value in (line.partition(": ") for line in lines)}
+    body = await asyncio.wait_for(reader.readexactly(int(headers.get("content-length", "0"))), 5)
+    return status_line, headers, body
+
+
+@pytest.mark.parametrize(("version", "connection", "answered", "kept"), [
+    ("1.1", None, None, True),
+    ("1.1", "close", "close", False),
+    ("1.0", None, None, False),
+    ("1.0", "keep-alive", "keep-alive", True),
+])
+async def test_a_whole_answer_keeps_or_closes_the_connection_as_http_says(
+    start_proxy, version, connection, answered, kept
+) -> None:
+    """Small answers are written whole by slotproxy itself: framing, Date and keep-alive as aiohttp would do them."""
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=b'{"object": "chat.completion"}', content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/{name}", answer)
+    runner, port = await serve_app(app)
+    try:
+        proxy = await start_proxy(f"state: {{path: null}}\nproviders:\n  openai: {{upstream: 'http://127.0.0.1:{port}/v1'}}\n")
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        extra = f"Connection: {connection}\r\n" if connection else ""
+        for _ in range(2 if kept else 1):
+            writer.write(f"POST /openai/chat HTTP/{version}\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n{extra}\r\n{{}}".encode())
+            status_line, headers, body = await _read_answer(reader)
+            assert status_line == f"HTTP/{version} 200 OK"
+            assert body == b'{"object": "chat.completion"}'
+            assert headers["content-type"] == "application/json"
+            assert headers.get("connection") == answered, headers
+            assert headers["x-slotproxy-queue-ms"] == "0"
+            assert headers["date"].endswith(" GMT")
+        if not kept:
+            assert await asyncio.wait_for(reader.read(), 5) == b"", "the connection should have been closed"
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        await runner.cleanup()
+
+
+async def test_upstream_answers_without_a_body_keep_the_connection_framed(start_proxy) -> None:
+    """204 and 304 carry no body and HEAD's answer none: they leave through aiohttp's own response, and the
+    next request on the connection still gets its answer."""
+    async def answer(request: web.Request) -> web.Response:
+        status = int(request.match_info["status"])
+        return web.Response(status=status, headers={"Content-Length": "0"} if status == 200 else None)
+
+    app = web.Application()
+    app.router.add_route("*", "/v1/{status}", answer)
+    runner, port = await serve_app(app)
+    try:
+        proxy = await start_proxy(f"state: {{path: null}}\nproviders:\n  openai: {{upstream: 'http://127.0.0.1:{port}/v1'}}\n")
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        for method, status in (("POST", 204), ("GET", 304), ("HEAD", 200), ("POST", 200)):
+            writer.write(f"{method} /openai/{status} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n".encode())
+            head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).decode()
+            assert head.startswith(f"HTTP/1.1 {status} "), head
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        await runner.cleanup()
+
+
 async def test_x_api_key_auth_replaces_both_client_credentials(start_upstream, start_proxy, client, monkeypatch) -> None:
     monkeypatch.setenv("FAKE_ANTHROPIC_KEY", "sk-ant-secret-abcdef")
     upstream = await start_upstream()

@@ -522,6 +522,7 @@ async def test_proxy_adds_only_the_queue_header_and_framing(start_proxy, case) -
     assert via_status == direct_status
     added = set(via) - set(direct)
     assert "x-slotproxy-queue-ms" in added
+    assert "date" in via_headers
     assert added - ALLOWED_ADDITIONS == set(), {n: via_headers[n] for n in added - ALLOWED_ADDITIONS}
 
 
