@@ -19,7 +19,7 @@ from aiohttp.http import SERVER_SOFTWARE, HttpVersion10
 from aiohttp.web_request import BaseRequest
 from multidict import CIMultiDict
 
-__all__ = ["ALLOWED_ORIGIN", "Answer", "StreamedAnswer", "WrittenAnswer", "json_answer"]
+__all__ = ["ALLOWED_ORIGIN", "Answer", "ClosingAnswer", "StreamedAnswer", "WrittenAnswer", "json_answer"]
 
 ALLOWED_ORIGIN: web.RequestKey[str | None] = web.RequestKey("slotproxy_allowed_origin", str)
 """Set by the guard on every request it lets through: the Origin, which passed the origin rule, or None
@@ -54,6 +54,22 @@ class Answer(web.Response):
     async def _prepare_headers(self) -> None:
         await super()._prepare_headers()
         _finish(self, self.untyped)
+
+
+class ClosingAnswer(Answer):
+    """An answer after which the connection closes at once, unread: the 408 for a body that stalled
+    (``body_timeout``). aiohttp would otherwise linger, for up to 10 s, reading the rest of a body the
+    client has stopped sending."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.force_close()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        request = self._req
+        await super().write_eof(data)
+        if request is not None:
+            request.protocol.force_close()
 
 
 class StreamedAnswer(web.StreamResponse):
@@ -119,5 +135,6 @@ class WrittenAnswer(web.StreamResponse):
         return None
 
 
-def json_answer(data: Any, *, status: int = 200) -> Answer:
-    return Answer(text=json.dumps(data), status=status, content_type="application/json")
+def json_answer(data: Any, *, status: int = 200, close: bool = False) -> Answer:
+    """``close``: the connection closes after it (``ClosingAnswer``)."""
+    return (ClosingAnswer if close else Answer)(text=json.dumps(data), status=status, content_type="application/json")

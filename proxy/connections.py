@@ -217,15 +217,6 @@ class GuardedRequestHandler(RequestHandler):
         if self.transport is not None:
             self.transport.close()
 
-    async def finish_response(self, request: BaseRequest, resp: web.StreamResponse,
-                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
-        """After a 408 (``body_timeout``) the connection closes at once: aiohttp would otherwise linger,
-        for up to 10 s, reading the rest of a body the client has stopped sending."""
-        result = await super().finish_response(request, resp, start_time)
-        if resp.status == 408:
-            self.force_close()
-        return result
-
     def _cancel_timers(self) -> None:
         for timer in (self._header_timer, self._write_timer):
             if timer is not None:

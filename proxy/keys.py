@@ -9,7 +9,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from .answers import Answer, json_answer
-from .errors import ProxyError
+from .errors import ProxyError, RequestTimeout
 from .runtime import ProxyState
 
 __all__ = ["QUEUE_MS_HEADER", "STATE", "error_response"]
@@ -20,11 +20,9 @@ STATE: web.AppKey[ProxyState] = web.AppKey("slotproxy", ProxyState)
 
 def error_response(error: ProxyError, *, queue_ms: int | None = None) -> Answer:
     """A proxy-made answer in the OpenAI error shape, so SDKs surface it."""
-    response = json_answer(error.body(), status=error.status)
+    response = json_answer(error.body(), status=error.status, close=isinstance(error, RequestTimeout))
     if error.retry_after is not None:
         response.headers["Retry-After"] = str(max(1, int(error.retry_after + 0.999)))
     if queue_ms is not None:
         response.headers[QUEUE_MS_HEADER] = str(queue_ms)
-    if error.status == 408:
-        response.force_close()
     return response
