@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from multidict import CIMultiDict
+
 from common import (
     HOST,
     WRK_LUA,
@@ -67,8 +69,8 @@ def _switch_off(parts: set[str]) -> None:
     if "headers" in parts:
         relay.forward_request_headers = lambda incoming, strip, auth: [  # type: ignore[assignment]
             ("Content-Type", incoming.get("Content-Type", ""))]
-        relay.forward_response_headers = lambda incoming, keep_cors=False: [  # type: ignore[assignment]
-            ("Content-Type", incoming.get("Content-Type", ""))]
+        relay.forward_response_headers = lambda incoming, keep_cors=False: CIMultiDict(  # type: ignore[assignment]
+            {"Content-Type": incoming.get("Content-Type", "")})
         relay.check_header_bytes = lambda headers, skip: None  # type: ignore[assignment]
     if "server" in parts:
         app.relay = _bare_relay_handler  # type: ignore[assignment]
