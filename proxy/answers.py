@@ -5,7 +5,9 @@ aiohttp names itself in a ``Server`` header and types an untyped body as
 allows (``ALLOWED_ORIGIN``, set by the guard) may read the answer. This is done
 as aiohttp prepares the headers (after its defaults, before they are written),
 so every answer gets it, those refused before routing included, with no
-response signal to run on each request.
+response signal to run on each request. A small relayed answer (``WrittenAnswer``)
+skips aiohttp's preparation altogether: it gets no defaults to take back, and the
+origin rule is applied as it is written.
 """
 
 from __future__ import annotations
