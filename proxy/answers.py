@@ -13,6 +13,7 @@ origin rule is applied as it is written.
 from __future__ import annotations
 
 import json
+import time
 from email.utils import formatdate
 from typing import Any
 
@@ -117,7 +118,7 @@ class WrittenAnswer(web.StreamResponse):
         version = request.version
         _allow_origin(headers, request.get(ALLOWED_ORIGIN))
         if "Date" not in headers:
-            headers["Date"] = formatdate(usegmt=True)
+            headers["Date"] = _http_date()
         if version == HttpVersion10:
             if keep_alive:
                 headers["Connection"] = "keep-alive"
@@ -135,6 +136,18 @@ class WrittenAnswer(web.StreamResponse):
 
     async def write_eof(self, data: bytes = b"") -> None:
         return None
+
+
+_date = (0, "")
+
+
+def _http_date() -> str:
+    """Now as an HTTP date, formatted once a second."""
+    global _date
+    second = int(time.time())
+    if _date[0] != second:
+        _date = (second, formatdate(second, usegmt=True))
+    return _date[1]
 
 
 def json_answer(data: Any, *, status: int = 200, close: bool = False) -> Answer:
