@@ -336,9 +336,9 @@ class Exchange:
     async def _send_whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.StreamResponse:
         """A small fixed-length answer: headers and body leave in one write, still before the slot is released."""
         headers = self._response_headers(upstream)
-        headers[QUEUE_MS_HEADER] = str(self.queue_ms)
         try:  # _to_client's job, written out for both kinds of answer
             if WrittenAnswer.fits(self.request.method, upstream.status):
+                headers[QUEUE_MS_HEADER] = str(self.queue_ms)
                 written = self.response = WrittenAnswer(status=upstream.status, reason=upstream.reason)
                 await written.send(self.request, headers, body)
                 return written
