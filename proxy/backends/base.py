@@ -32,10 +32,15 @@ class Backend(Protocol):
         """The in-process limiter a usage gate attaches to, or None where the backend cannot host one."""
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
-                      client_wait: float | None = None, model: str | None = None) -> SlotLease:
+                      client_wait: float | None = None, model: str | None = None,
+                      key: str | None = None) -> SlotLease:
         """Wait for a slot at every level that applies (the provider, the cap ``model`` matches, a key of
-        the pool), at most queue_timeout (or ``client_wait``, the client's own deadline, when shorter).
-        Raises QueueFull or QueueTimeout; cancelling the caller leaves the queue."""
+        the pool: ``key`` when given), at most queue_timeout (or ``client_wait``, the client's own deadline,
+        when shorter). Raises QueueFull or QueueTimeout; cancelling the caller leaves the queue."""
+
+    async def socket_key(self, provider: str, conversation: str | None) -> str | None:
+        """The pool key a new WebSocket opens its upstream socket with (``policy.socket_key``); None
+        without a pool. It takes no slot: the socket's responses then ``acquire`` with this key."""
 
     def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float, *,
                        reduce: bool = True, key: str | None = None) -> None:

@@ -52,8 +52,8 @@ before ``created_at`` was lost with the data, not expired).
 
 from __future__ import annotations
 
-__all__ = ["BACKOFF", "BUDGET", "CANCEL", "CONFIGURE", "DISPATCH", "ENQUEUE", "RELEASE", "RENEW", "RESTAR", "SET_COOLDOWN",
-           "SET_LIMIT", "STATS"]
+__all__ = ["BACKOFF", "BUDGET", "CANCEL", "CONFIGURE", "DISPATCH", "ENQUEUE", "PICK_KEY", "RELEASE", "RENEW", "RESTAR",
+           "SET_COOLDOWN", "SET_LIMIT", "STATS"]
 
 _PRELUDE = r"""
 local BASE = string.sub(KEYS[1], 1, #KEYS[1] - 3)
@@ -95,7 +95,8 @@ local function layout()
     for _, cap in ipairs(layout_cache.models) do models[cap.p] = true end
     layout_cache.pool = pool
     layout_cache.capped = models
-    layout_cache.classed = #layout_cache.models > 0 or layout_cache.share ~= nil
+    -- with a pool, a WebSocket's waiters are pinned to their socket's key: every waiter then has a class
+    layout_cache.classed = #layout_cache.models > 0 or layout_cache.share ~= nil or #pool > 0
   end
   return layout_cache
 end
@@ -232,9 +233,24 @@ local function share_cap()
   return math.max(1, math.ceil(share * capacity - 1e-9))
 end
 
-local function waiter_class(pattern, workspace)
+local function waiter_class(pattern, workspace, pinned)
   if not layout().classed then return nil end
-  return pattern .. '\n' .. (layout().share ~= nil and workspace or '')
+  return pattern .. '\n' .. (layout().share ~= nil and workspace or '') .. '\n' .. (pinned or '')
+end
+
+-- A class name's parts: model cap pattern, workspace ('' unless shares apply), pinned key ('' = any).
+local function class_parts(class)
+  local first = string.find(class, '\n', 1, true)
+  local second = string.find(class, '\n', first + 1, true)
+  if second == nil then return string.sub(class, 1, first - 1), string.sub(class, first + 1), '' end
+  return string.sub(class, 1, first - 1), string.sub(class, first + 1, second - 1), string.sub(class, second + 1)
+end
+
+local function in_pool(name)
+  for _, key in ipairs(layout().pool) do
+    if key == name then return true end
+  end
+  return false
 end
 
 -- Take the queue entry ``member`` out and return its waiter's id and info (nil info: an orphan entry).
@@ -277,10 +293,10 @@ local function next_waiter(now)
   local cap = share_cap()
   local over_share = nil
   for _, head in ipairs(heads) do
-    local cut = string.find(head[2], '\n', 1, true)
-    local pattern, workspace = string.sub(head[2], 1, cut - 1), string.sub(head[2], cut + 1)
+    local pattern, workspace, pinned = class_parts(head[2])
     local room = true
     if pattern ~= '' and layout().capped[pattern] then room = level_room('m:' .. pattern, now) end
+    if room and pinned ~= '' then room = in_pool(pinned) and level_room('k:' .. pinned, now) end
     if room then
       local held = 0
       if cap ~= nil then held = tonumber(redis.call('HGET', BASE .. 'wsheld', workspace) or '0') end
@@ -348,7 +364,9 @@ local function dispatch(now, lease_ttl, channel)
     if not found then break end
     if info then
       local key = ''
-      if #pool > 0 then key = choose_key(candidates, info.k) end
+      if #pool > 0 then
+        if info.kp and info.kp ~= '' then key = info.kp else key = choose_key(candidates, info.k) end
+      end
       grant(id, info, key, now, lease_ttl, channel)
       count = count + 1
     end
@@ -398,7 +416,8 @@ end
 
 ENQUEUE = _PRELUDE + r"""
 -- ARGV: id, replica, workspace, header_starred, prompt_ms, conversation, seq ('' = new),
---       lease_ttl, waiter_ttl, max_queue, channel, model cap pattern ('' = none), preferred key ('' = none)
+--       lease_ttl, waiter_ttl, max_queue, channel, model cap pattern ('' = none), preferred key ('' = none),
+--       pinned key ('' = any key of the pool), transport ('' = http, 'ws' = websocket)
 local now = now_ms()
 cleanup(now)
 local done = redis.call('HGET', KEYS[7], ARGV[1])
@@ -418,7 +437,9 @@ end
 local starred = ARGV[4] == '1' or redis.call('SISMEMBER', KEYS[9], ARGV[3]) == 1
 local info = {m = waiter_member(starred, tonumber(ARGV[5]), seq, ARGV[1]), r = ARGV[2], w = ARGV[3], s = ARGV[4],
   p = tonumber(ARGV[5]), q = seq, c = ARGV[6], t = now, pt = ARGV[12], k = ARGV[13],
-  cl = waiter_class(ARGV[12], ARGV[3])}
+  cl = waiter_class(ARGV[12], ARGV[3], ARGV[14])}
+if ARGV[14] ~= '' then info.kp = ARGV[14] end
+if ARGV[15] ~= '' then info.tr = ARGV[15] end
 queue_entry(info)
 redis.call('HSET', KEYS[5], ARGV[1], cjson.encode(info))
 redis.call('ZADD', KEYS[6], now + tonumber(ARGV[9]), ARGV[1])
@@ -627,7 +648,7 @@ if was_classed ~= layout().classed or had_share ~= (layout().share ~= nil) then
   local all = redis.call('HGETALL', KEYS[5])
   for i = 1, #all, 2 do
     local info = cjson.decode(all[i + 1])
-    info.cl = waiter_class(info.pt or '', info.w)
+    info.cl = waiter_class(info.pt or '', info.w, info.kp)
     queue_entry(info)
     redis.call('HSET', KEYS[5], all[i], cjson.encode(info))
   end
@@ -678,4 +699,26 @@ for _, lid in ipairs(all_levels()) do
 end
 return {redis.call('HGETALL', KEYS[1]), redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]),
         redis.call('ZCARD', KEYS[4]), tostring(now), infos, levels, tostring(pause_end(now))}
+"""
+
+PICK_KEY = _PRELUDE + r"""
+-- ARGV: preferred key ('' = none). The key a new WebSocket opens with (policy.socket_key): as a grant would
+-- choose it, else the preferred or first key neither paused nor held, else the pool's first ('' = no pool).
+local now = now_ms()
+cleanup(now)
+local pool = layout().pool
+if #pool == 0 then return '' end
+local candidates, unblocked = {}, {}
+for _, name in ipairs(pool) do
+  local ok, free = level_room('k:' .. name, now)
+  if ok then table.insert(candidates, {name, free}) end
+  if blocked_until(level_hash('k:' .. name), now) == 0 then table.insert(unblocked, name) end
+end
+local chosen = choose_key(candidates, ARGV[1])
+if chosen ~= nil then return chosen end
+for _, name in ipairs(unblocked) do
+  if name == ARGV[1] then return name end
+end
+if #unblocked > 0 then return unblocked[1] end
+return pool[1]
 """

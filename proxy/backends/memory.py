@@ -86,13 +86,14 @@ class MemoryBackend:
         return self._limiters.get(provider)
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
-                      client_wait: float | None = None, model: str | None = None) -> SlotLease:
+                      client_wait: float | None = None, model: str | None = None,
+                      key: str | None = None) -> SlotLease:
         limiter = self.limiter(provider)
-        lease = limiter.try_acquire(priority, seq, model)
+        lease = limiter.try_acquire(priority, seq, model, key)
         if lease is not None:
             return lease
         parked = _Parked(asyncio.get_running_loop().create_future())
-        waiter = limiter.enqueue(priority, parked.grant, parked.reject, seq, client_wait, model)
+        waiter = limiter.enqueue(priority, parked.grant, parked.reject, seq, client_wait, model, key)
         try:
             return await parked.future
         except asyncio.CancelledError:
@@ -104,6 +105,9 @@ class MemoryBackend:
             else:
                 limiter.cancel(waiter)
             raise
+
+    async def socket_key(self, provider: str, conversation: str | None) -> str | None:
+        return self.limiter(provider).socket_key(conversation)
 
     def report_backoff(self, provider: str, cause: str, wait: float | None, sent_at: float, *,
                        reduce: bool = True, key: str | None = None) -> None:

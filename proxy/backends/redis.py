@@ -63,6 +63,9 @@ log = logging.getLogger("slotproxy.redis")
 
 _UNCONFIGURED = -2
 _POOL_SIZE = 32
+_TRANSPORT_ARGS = {"websocket": "ws"}
+_TRANSPORTS = {"ws": "websocket"}
+"""A waiter's transport as the scripts keep it: absent for HTTP (most waiters), ``ws`` for a WebSocket."""
 """Redis connections one replica opens at most: the script batches' own, and a pool of the rest (one of them
 the grant listener's) where callers beyond it wait their turn, so a deep queue never turns into connection
 errors."""
@@ -263,7 +266,8 @@ class _Waiter:
     handed back by that CANCEL, not taken."""
 
     __slots__ = ("asked_at", "client_bound", "client_wait", "deadline", "deadline_armed", "expiring", "future", "gone",
-                 "in_redis", "local", "model", "pattern", "priority", "provider", "seq", "wait_limit", "waiter_id")
+                 "in_redis", "key", "local", "model", "pattern", "priority", "provider", "seq", "wait_limit",
+                 "waiter_id")
 
     def __init__(self, waiter_id: str, future: asyncio.Future[RedisLease], provider: str, priority: Priority,
                  asked_at: float) -> None:
@@ -281,6 +285,8 @@ class _Waiter:
         self.client_bound = False
         self.client_wait: float | None = None
         self.model: str | None = None
+        self.key: str | None = None
+        """The pool key it must be granted on (a WebSocket's responses), or None for any."""
         self.pattern: str | None = None
         self.deadline: float | None = None
         self.deadline_armed = False
@@ -471,18 +477,21 @@ class RedisBackend:
     # ----- acquire ---------------------------------------------------------------
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
-                      client_wait: float | None = None, model: str | None = None) -> SlotLease:
+                      client_wait: float | None = None, model: str | None = None,
+                      key: str | None = None) -> SlotLease:
         settings = self._settings.get(provider)
         if settings is None:
             raise UnknownProvider.named(provider)
         if not self.healthy and self._mode == "local":
-            return await self._local.acquire(provider, priority, seq=seq, client_wait=client_wait, model=model)
+            return await self._local.acquire(provider, priority, seq=seq, client_wait=client_wait, model=model,
+                                             key=key)
         loop = asyncio.get_running_loop()
         waiter_id = f"{self.replica}-{next(self._ids)}"
         waiter = _Waiter(waiter_id, loop.create_future(), provider, priority, loop.time())
         waiter.wait_limit, waiter.client_bound = policy.queue_wait_limit(settings.queue_timeout, client_wait)
         waiter.client_wait = client_wait
         waiter.model = model
+        waiter.key = key if settings.pool() else None
         if settings.models:
             waiter.pattern = policy.model_pattern(model, [cap.pattern for cap in settings.models])
         waiter.deadline = None if waiter.wait_limit is None else self.clock.time() + waiter.wait_limit
@@ -498,6 +507,21 @@ class RedisBackend:
                 self._deadlines.settle(len(self._waiters))
             if granted is None:
                 self._abandon(waiter_id, waiter)
+
+    async def socket_key(self, provider: str, conversation: str | None) -> str | None:
+        settings = self._settings.get(provider)
+        if settings is None:
+            raise UnknownProvider.named(provider)
+        if not settings.pool():
+            return None
+        preferred = self._sticky.get(conversation) or ""
+        if not self.healthy and self._mode == "local":
+            return await self._local.socket_key(provider, conversation)
+        try:
+            chosen = _text(await self._run("PICK_KEY", provider, preferred))
+        except RedisError:
+            return preferred or settings.pool()[0].name
+        return chosen or None
 
     def _arm_deadline(self, waiter: _Waiter) -> None:
         """The queue deadline, once the waiter is known to wait (a grant straight from ENQUEUE's answer,
@@ -554,7 +578,8 @@ class RedisBackend:
                 if self._mode == "local":
                     waiter.local = True
                     return await self._local.acquire(waiter.provider, waiter.priority, seq=seq,
-                                                     client_wait=waiter.client_wait, model=waiter.model)
+                                                     client_wait=waiter.client_wait, model=waiter.model,
+                                                     key=waiter.key)
                 self._arm_deadline(waiter)
                 await self._wait_or_expire(waiter)
         status, detail, waiter.seq = int(result[0]), _text(result[1]), int(result[2])
@@ -593,7 +618,8 @@ class RedisBackend:
                 policy.prompt_ms(priority.prompt_started_at), priority.conversation or "",
                 "" if waiter.seq is None else waiter.seq, self._lease_ttl_ms, self._waiter_ttl_ms,
                 settings.max_queue, self._channel, waiter.pattern or "",
-                (self._sticky.get(priority.conversation) or "") if settings.keys else "")
+                (self._sticky.get(priority.conversation) or "") if settings.keys else "",
+                waiter.key or "", _TRANSPORT_ARGS.get(priority.transport, ""))
         result = await self._run("ENQUEUE", waiter.provider, *args)
         if int(result[0]) == _UNCONFIGURED:
             await self._configure_one(waiter.provider)
@@ -902,7 +928,8 @@ class RedisBackend:
             info = _json(item)
             queue.append(WaiterStatus(workspace=info["w"], starred=bool(info["starred"]),
                                       prompt_started_at=int(info["p"]), waited_ms=now - int(info["t"]),
-                                      conversation=info["c"] or None))
+                                      conversation=info["c"] or None,
+                                      transport=_TRANSPORTS.get(info.get("tr", ""), "http")))
         counters = {name: int(cfg.get(name, "0") or 0) for name in policy.COUNTERS}
         counters["reclaims"] = self._reclaims.get(provider, 0)
         settings = self._settings[provider]

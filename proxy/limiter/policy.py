@@ -44,6 +44,7 @@ __all__ = [
     "retry_after_hint",
     "same_burst",
     "share_cap",
+    "socket_key",
     "validate_limit",
 ]
 
@@ -181,6 +182,21 @@ def choose_key(candidates: Sequence[tuple[str, int | None]], preferred: str | No
         if room > best_free:
             best, best_free = name, room
     return best
+
+
+def socket_key(with_room: Sequence[tuple[str, int | None]], unblocked: Sequence[str], pool: Sequence[str],
+               preferred: str | None) -> str | None:
+    """The key a new WebSocket opens its upstream socket with (its responses then wait for that key's slot).
+
+    As a grant would choose (``with_room``: see ``choose_key``); when no key has a slot free, the
+    conversation's previous key or else the first key that is neither paused nor held (``unblocked``, in
+    config order); when every key is blocked, the first of the pool. None without a pool."""
+    chosen = choose_key(with_room, preferred)
+    if chosen is not None:
+        return chosen
+    if unblocked:
+        return preferred if preferred in unblocked else unblocked[0]
+    return pool[0] if pool else None
 
 
 def pool_paused_until(own: float | None, key_ends: Sequence[float | None]) -> float | None:

@@ -172,6 +172,7 @@ class WaiterStatus:
     prompt_started_at: int
     waited_ms: int
     conversation: str | None
+    transport: str = "http"
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +260,7 @@ class ProviderStatus:
                     "prompt_started_at": w.prompt_started_at,
                     "waited_ms": w.waited_ms,
                     "conversation": w.conversation,
+                    "transport": w.transport,
                 }
                 for w in self.queue
             ],
@@ -336,21 +338,41 @@ class ProviderLimiter:
         """An arrival number; a retried request keeps its first one, and so its place."""
         return next(self._arrivals)
 
-    def try_acquire(self, priority: Priority, seq: int | None = None, model: str | None = None) -> Lease | None:
+    def try_acquire(self, priority: Priority, seq: int | None = None, model: str | None = None,
+                    key: str | None = None) -> Lease | None:
         """The fast path: a slot now, or None when the caller must queue.
 
         Nobody may overtake a waiter, so a non-empty queue always means None (``enqueue``
         then grants at once whoever may go, a request for a model with room among them).
+        ``key`` pins the slot to that key of the pool (ignored without a pool).
         """
         if self._queued or not self._provider_room():
             return None
         pattern = policy.model_pattern(model, self._patterns) if self._patterns else None
         if pattern is not None and not self._models[pattern].has_room():
             return None
-        key = self._choose_key(priority.conversation) if self._pool else None
-        if self._pool and key is None:
-            return None
+        if self._pool:
+            key = (key if self._pinned_room(key) else None) if key is not None \
+                else self._choose_key(priority.conversation)
+            if key is None:
+                return None
+        else:
+            key = None
         return self._grant(priority, self.next_arrival() if seq is None else seq, 0.0, pattern, key)
+
+    def _pinned_room(self, key: str) -> bool:
+        """Whether a waiter pinned to ``key`` may go: the key is in the pool and has a slot free."""
+        level = self._keys.get(key)
+        return level is not None and level in self._pool and level.has_room()
+
+    def socket_key(self, conversation: str | None) -> str | None:
+        """The key a new WebSocket opens with (``policy.socket_key``); None without a pool."""
+        if not self._pool:
+            return None
+        with_room = [(level.key.key or "", level.free_slots()) for level in self._pool if level.has_room()]
+        unblocked = [level.key.key or "" for level in self._pool if level.available_at() is None]
+        return policy.socket_key(with_room, unblocked, [level.key.key or "" for level in self._pool],
+                                 self._sticky.get(conversation))
 
     def enqueue(
         self,
@@ -360,8 +382,10 @@ class ProviderLimiter:
         seq: int | None = None,
         client_wait: float | None = None,
         model: str | None = None,
+        key: str | None = None,
     ) -> Waiter:
-        """Queue a request; ``on_grant(lease)`` is called when its turn comes.
+        """Queue a request; ``on_grant(lease)`` is called when its turn comes (on ``key`` when given, a key
+        of the pool).
 
         ``on_reject(error)`` is called instead if it times out (QueueTimeout: after
         queue_timeout, or ``client_wait`` when that is shorter) or the queue is shed
@@ -391,6 +415,7 @@ class ProviderLimiter:
             starred=priority.starred or priority.workspace in self._starred,
             client_bound=client_bound,
             pattern=pattern,
+            key=key if self._pool else None,
         )
         self._push(waiter)
         if limit is not None and limit > 0:
@@ -404,9 +429,10 @@ class ProviderLimiter:
         return waiter
 
     def _class_of(self, waiter: Waiter) -> WaiterClass:
-        if not self._settings.classed():
+        if not self._settings.classed() and waiter.key is None:
             return None
-        return (waiter.pattern, waiter.priority.workspace if self._settings.max_share is not None else None)
+        return (waiter.pattern, waiter.priority.workspace if self._settings.max_share is not None else None,
+                waiter.key)
 
     def _push(self, waiter: Waiter) -> None:
         waiter.waiter_class = self._class_of(waiter)
@@ -532,6 +558,8 @@ class ProviderLimiter:
                 model = self._models.get(pattern)
                 if model is not None and not model.has_room():
                     continue
+            if waiter.key is not None and not self._pinned_room(waiter.key):
+                continue
             if cap is not None and self._by_workspace.get(waiter.priority.workspace, 0) >= cap:
                 if over_share is None:
                     over_share = waiter
@@ -541,7 +569,9 @@ class ProviderLimiter:
             if over_share is None:
                 return None
             waiter = over_share
-        return waiter, self._choose_key(waiter.priority.conversation) if self._pool else None
+        if not self._pool:
+            return waiter, None
+        return waiter, waiter.key or self._choose_key(waiter.priority.conversation)
 
     def _grant(self, priority: Priority, seq: int, queue_wait: float, pattern: str | None,
                key: str | None) -> Lease:
@@ -755,6 +785,7 @@ class ProviderLimiter:
                     prompt_started_at=policy.prompt_ms(w.priority.prompt_started_at),
                     waited_ms=_ms(now - w.enqueued_at),
                     conversation=w.priority.conversation,
+                    transport=w.priority.transport,
                 )
                 for w in self._in_order(QUEUE_LISTED)
             )

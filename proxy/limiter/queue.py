@@ -16,18 +16,21 @@ from .policy import queue_key
 
 __all__ = ["Priority", "Waiter", "WaiterClass", "WaiterQueue"]
 
-WaiterClass = tuple[str | None, str | None] | None
-"""Which heap of its provider's queue a waiter is in: (model cap pattern, workspace when shares apply),
-or None where the provider keeps one heap."""
+WaiterClass = tuple[str | None, str | None, str | None] | None
+"""Which heap of its provider's queue a waiter is in: (model cap pattern, workspace when shares apply, the
+pool key it must have), or None for the provider's one heap of waiters any slot may serve."""
 
 
 class Priority(NamedTuple):
-    """What a request's headers say about its place in the queue (a tuple: built on every request)."""
+    """What a request says about itself: its place in the queue, and how it came (a tuple: built on every
+    request)."""
 
     prompt_started_at: float
     workspace: str = "default"
     starred: bool = False
     conversation: str | None = None
+    transport: str = "http"
+    """``http``, or ``websocket`` for a response asked for on a WebSocket (shown in the queue listing)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -43,6 +46,8 @@ class Waiter:
     """Its wait is bounded by the client's own deadline rather than queue_timeout."""
     pattern: str | None = None
     """The model cap its model matched when it came (None: none applies)."""
+    key: str | None = None
+    """The pool key it must be granted on (a WebSocket's responses go on the key its socket opened with)."""
     waiter_class: WaiterClass = None
 
     def forget_callbacks(self) -> None:

@@ -60,6 +60,7 @@ class Side:
     leases: dict[str, SlotLease] = field(default_factory=dict)
     waiting: dict[str, asyncio.Task[SlotLease]] = field(default_factory=dict)
     rejected: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    picked: dict[str, str | None] = field(default_factory=dict)
 
     def now(self) -> float:
         return self.clock.time() if self.clock is not None else time.time()
@@ -136,6 +137,17 @@ class Acquire:
     client_wait: float | None = None
     model: str | None = None
     conversation: str | None = None
+    key: str | None = None
+    """The pool key it must be granted on (a WebSocket's response)."""
+    transport: str = "http"
+
+
+@dataclass(frozen=True)
+class PickKey:
+    """A WebSocket opens: the key its upstream socket would open with, kept as ``name``."""
+
+    name: str
+    conversation: str | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +207,8 @@ class Expect:
     rejected: dict[str, tuple[str, int | None]] | None = None
     keys: dict[str, str | None] = field(default_factory=dict)
     """Which key each named lease holds (checked on both)."""
+    picked: dict[str, str | None] = field(default_factory=dict)
+    """Which key each ``PickKey`` chose (checked on both)."""
 
 
 async def apply(side: Side, step: Any, prefix_settings: dict[str, Any]) -> None:
@@ -204,15 +218,17 @@ async def apply(side: Side, step: Any, prefix_settings: dict[str, Any]) -> None:
     elif isinstance(step, Acquire):
         started = math.floor(side.base * 1000) / 1000 - step.age
         priority = Priority(prompt_started_at=started, workspace=step.workspace, starred=step.starred,
-                            conversation=step.conversation)
+                            conversation=step.conversation, transport=step.transport)
         before = await _queued(side)
         side.waiting[step.name] = asyncio.create_task(backend.acquire(P, priority, client_wait=step.client_wait,
-                                                                      model=step.model))
+                                                                      model=step.model, key=step.key))
         for _ in range(200):  # granted, rejected or queued before the next step: arrival order is the steps'
             await side.settle()
             if step.name not in side.waiting or await _queued(side) > before:
                 break
             await asyncio.sleep(0.01)
+    elif isinstance(step, PickKey):
+        side.picked[step.name] = await backend.socket_key(P, step.conversation)
     elif isinstance(step, Release):
         side.leases.pop(step.name).release()
     elif isinstance(step, Backoff):
@@ -267,6 +283,9 @@ async def expect(sides: list[Side], step: Expect, number: int) -> None:
         return all(name in side.leases and side.leases[name].key == key for name, key in step.keys.items())
 
     assert on_keys(memory), f"step {number}: memory keys {[(n, lease.key) for n, lease in memory.leases.items()]}"
+    for name, key in step.picked.items():
+        assert memory.picked[name] == redis_.picked[name] == key, \
+            f"step {number}: {name} picked {memory.picked[name]!r} (memory), {redis_.picked[name]!r} (redis)"
     wanted = await memory.status()
     for key, value in step.pinned.items():
         assert wanted[key] == value, f"step {number}: memory {key} = {wanted[key]!r}, pinned {value!r}"
@@ -438,6 +457,22 @@ SCENARIOS: dict[str, tuple[list[Any], dict[str, Any]]] = {
         SetKeyLimit("a", 2),
         Advance(0.6),
         Expect({"paused": False}),
+    ], {}),
+    "a WebSocket's responses wait for its socket's key; others take any key meanwhile": ([
+        Configure({"keys": POOL}),
+        PickKey("first"),
+        Acquire("x1", key="a"), Acquire("x2", key="a"),
+        PickKey("second"),
+        Acquire("ws", key="a", transport="websocket"), Acquire("http"),
+        Expect({"in_flight": 3, "queued": 1}, held=("x1", "x2", "http"),
+               keys={"x1": "a", "x2": "a", "http": "b"}, picked={"first": "a", "second": "b"}),
+        Acquire("http-2"),
+        Expect({"in_flight": 4, "queued": 1}, keys={"http-2": "b"}),
+        PickKey("all-full", conversation="c9"),
+        Backoff("429", 0.5, "http"),
+        PickKey("b-paused"),
+        Release("x1"),
+        Expect({"in_flight": 4, "queued": 0}, keys={"ws": "a"}, picked={"all-full": "a", "b-paused": "a"}),
     ], {}),
     "a model cap holds its own model only": ([
         Configure({"limit": 3, "models": (ModelCap("big-*", 1),)}),

@@ -423,7 +423,7 @@ def test_statistics_has_every_status_field() -> None:
     assert data["cooldown_ms"] == 250
     assert data["queue"] == [{
         "workspace": "ws", "starred": False, "prompt_started_at": int((T0 - 5) * 1000),
-        "waited_ms": 1500, "conversation": "c1",
+        "waited_ms": 1500, "conversation": "c1", "transport": "http",
     }]
 
 
