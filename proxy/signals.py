@@ -24,6 +24,7 @@ __all__ = [
     "DecodedStreamScanner",
     "StreamErrorScanner",
     "classify_response",
+    "event_backoff",
     "is_refusal",
     "readable_body",
     "stated_wait",
@@ -44,7 +45,9 @@ _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)s\s*")
 
 _MS_HEADERS = ("retry-after-ms", "x-ms-retry-after-ms")
 _RATE_LIMITS = frozenset({"rate_limit_error", "rate_limit_exceeded"})
-_OVERLOADS = frozenset({"overloaded_error", "server_overloaded"})
+_OVERLOADED = "overloaded"
+"""An error whose type or code contains this is the provider's own overload (Anthropic's
+``overloaded_error``, OpenAI's ``server_is_overloaded``): it pauses, never lowers the limit."""
 _QUOTA_FAILURE = "google.rpc.QuotaFailure"
 _TRY_AGAIN = re.compile(r"try again in\s+((?:\d+(?:\.\d+)?(?:h|ms|m|s))+)", re.IGNORECASE)
 _WORD_UNITS = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s)")
@@ -371,20 +374,24 @@ def _first_stream_error(lines: list[bytes]) -> Backoff | None:
 
 
 def _stream_error(line: bytes) -> Backoff | None:
-    """The backoff an SSE ``data:`` line calls for.
+    """The backoff an SSE ``data:`` line calls for (see ``event_backoff``)."""
+    if not line.startswith(b"data:"):
+        return None
+    document = _load_json(line[5:])
+    return event_backoff(document) if isinstance(document, dict) else None
+
+
+def event_backoff(document: dict[str, Any]) -> Backoff | None:
+    """The backoff one stream event calls for: an SSE ``data:`` line's JSON, or a WebSocket frame's.
 
     Anthropic sends ``{"type": "error", "error": {"type": "overloaded_error"}}``;
     OpenAI-style servers send ``{"error": {"code": "rate_limit_exceeded"}}``; the
     Responses API a top-level ``{"type": "error", "code": ...}``, or a
-    ``response.failed`` event carrying ``response.error``. Text deltas that merely
-    mention "error" have no such object and are ignored, and so are refusals
-    no wait helps (billing, spend limits).
+    ``response.failed`` event carrying ``response.error``; its WebSocket mode an
+    ``error`` frame with the answer's ``status`` (429) beside the error. Text deltas
+    that merely mention "error" have no such object and are ignored, and so are
+    refusals no wait helps (billing, spend limits).
     """
-    if not line.startswith(b"data:"):
-        return None
-    document = _load_json(line[5:])
-    if not isinstance(document, dict):
-        return None
     error = _event_error(document)
     if error is None or _refuses(error):
         return None
@@ -393,8 +400,12 @@ def _stream_error(line: bytes) -> Backoff | None:
             continue
         if value in _RATE_LIMITS:
             return Backoff(cause=value, wait=_event_wait(document, error), status=RATE_LIMIT_STATUS)
-        if value in _OVERLOADS:
+        if _OVERLOADED in value:
             return Backoff(cause=value, wait=_event_wait(document, error), status=OVERLOAD_STATUS)
+    if document.get("status") == RATE_LIMIT_STATUS:
+        cause = error.get("code") or error.get("type")
+        return Backoff(cause=cause if isinstance(cause, str) and cause else str(RATE_LIMIT_STATUS),
+                       wait=_event_wait(document, error), status=RATE_LIMIT_STATUS)
     return None
 
 
