@@ -19,11 +19,14 @@ from .limiter.policy import CLIENT_DEADLINE_MARGIN
 __all__ = [
     "HOP_BY_HOP",
     "PriorityHeaders",
+    "body_turn_started_at",
     "check_header_bytes",
     "client_wait_limit",
     "forward_request_headers",
     "forward_response_headers",
+    "frame_turn_started_at",
     "parse_priority",
+    "turn_started_at",
     "valid_label",
 ]
 
@@ -96,10 +99,13 @@ def _prompt_started_at(value: str, now: float) -> float:
 
 
 def parse_priority(
-    headers: Mapping[str, str], names: PriorityHeaders, now: float
+    headers: Mapping[str, str], names: PriorityHeaders, now: float, body: bytes = b"",
+    transport: str = "http",
 ) -> tuple[Priority, list[str]]:
     """Read a request's priority; an invalid value falls back to its default.
 
+    The prompt start is the header's, else Codex's turn metadata header's, else the
+    same field in the JSON ``body`` (``client_metadata``), else ``now``.
     Returns the priority and the config keys (``workspace``, ``starred``,
     ``prompt_started_at``, ``conversation``) of the headers that were invalid.
     """
@@ -123,6 +129,8 @@ def parse_priority(
             invalid.append("prompt_started_at")
     elif (raw := get(CODEX_TURN_METADATA)) is not None:
         started = _turn_started_at(raw, now)
+    elif body and _TURN_METADATA_KEY in body:
+        started = body_turn_started_at(body, now) or now
     started = max(started, now - names.max_prompt_age)
     if (raw := get(names.conversation)) is not None:
         try:
@@ -131,10 +139,14 @@ def parse_priority(
             invalid.append("conversation")
     else:
         conversation = _agent_session(headers)
-    return Priority(prompt_started_at=started, workspace=workspace, starred=starred, conversation=conversation), invalid
+    return Priority(prompt_started_at=started, workspace=workspace, starred=starred, conversation=conversation,
+                    transport=transport), invalid
 
 
 CODEX_TURN_METADATA = "x-codex-turn-metadata"
+_TURN_METADATA_KEY = b'"x-codex-turn-metadata"'
+_MAX_TURN_METADATA = 4096
+_JSON_VALUE = json.JSONDecoder()
 AGENT_SESSION_HEADERS = ("X-Claude-Code-Session-Id", "session-id")
 """Where agents name their conversation themselves: Claude Code, then Codex."""
 CLIENT_TIMEOUT_HEADERS = ("X-Stainless-Timeout", "X-Stainless-Read-Timeout")
@@ -142,19 +154,50 @@ CLIENT_TIMEOUT_HEADERS = ("X-Stainless-Timeout", "X-Stainless-Read-Timeout")
 
 def _turn_started_at(metadata: str, now: float) -> float:
     """Codex's ``x-codex-turn-metadata`` JSON: ``turn_started_at_unix_ms``, when valid; else ``now``."""
-    if not metadata or len(metadata) > 4096:
-        return now
+    found = turn_started_at(metadata, now)
+    return now if found is None else found
+
+
+def turn_started_at(metadata: object, now: float) -> float | None:
+    """Codex's turn metadata (a JSON string): its ``turn_started_at_unix_ms`` in epoch seconds, None when
+    absent or invalid (a warm-up's metadata carries none)."""
+    if not isinstance(metadata, str) or not metadata or len(metadata) > _MAX_TURN_METADATA:
+        return None
     try:
         document = json.loads(metadata)
-    except ValueError:
-        return now
+    except (ValueError, RecursionError):
+        return None
     value = document.get("turn_started_at_unix_ms") if isinstance(document, dict) else None
     if isinstance(value, str) and value.isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return now
+        return None
     when = value / 1000.0
-    return when if _EARLIEST <= when <= now + _FUTURE_SLACK else now
+    return when if _EARLIEST <= when <= now + _FUTURE_SLACK else None
+
+
+def frame_turn_started_at(document: Mapping[str, object], now: float) -> float | None:
+    """The turn start a ``response.create`` frame (or a Responses API body) carries in
+    ``client_metadata["x-codex-turn-metadata"]``; None when it carries none."""
+    metadata = document.get("client_metadata")
+    if not isinstance(metadata, dict):
+        return None
+    return turn_started_at(metadata.get(CODEX_TURN_METADATA), now)
+
+
+def body_turn_started_at(body: bytes, now: float) -> float | None:
+    """The body's ``"x-codex-turn-metadata": "<JSON>"`` value, found without parsing the whole body (it may
+    be megabytes of conversation). A quoted key inside a JSON string is escaped (``\\"``), so what this
+    finds is a key of the document."""
+    at = body.find(_TURN_METADATA_KEY) + len(_TURN_METADATA_KEY)
+    rest = body[at:at + 2 * _MAX_TURN_METADATA].lstrip()
+    if not rest.startswith(b":"):
+        return None
+    try:
+        value, _ = _JSON_VALUE.raw_decode(rest[1:].lstrip().decode("utf-8", "replace"))
+    except (ValueError, RecursionError):
+        return None
+    return turn_started_at(value, now)
 
 
 def _agent_session(headers: Mapping[str, str]) -> str | None:

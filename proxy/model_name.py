@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import re
 
-__all__ = ["request_model"]
+__all__ = ["frame_model", "request_model"]
 
 _LEADING_MODEL = re.compile(rb'\s*\{\s*"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
+_FRAME_MODEL = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
 _PATH_MODEL = re.compile(r"(?:^|/)models/([^/:]{1,256}):")
 _SCAN = 1024
 _PARSE_AT_MOST = 8 << 20
@@ -28,19 +29,41 @@ def request_model(path: str, body: bytes) -> str | None:
         return None
     leading = _LEADING_MODEL.match(body, 0, _SCAN)
     if leading is not None:
-        raw = leading.group(1)
-        if b"\\" not in raw:
-            return raw.decode("utf-8", "replace")
-        try:
-            value = json.loads(b'"' + raw + b'"')
-        except ValueError:
-            return None
-        return value if isinstance(value, str) else None
+        return _string(leading.group(1))
+    data = _parsed(body)
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
+def frame_model(frame: bytes) -> str | None:
+    """The model a WebSocket ``response.create`` frame names: its ``model`` (or its ``response``'s), found in
+    the frame's opening (after its ``type``), else by one parse."""
+    found = _FRAME_MODEL.search(frame, 0, _SCAN)
+    if found is not None:
+        return _string(found.group(1))
+    data = _parsed(frame)
+    if not isinstance(data, dict):
+        return None
+    nested = data.get("response")
+    model = data.get("model") or (nested.get("model") if isinstance(nested, dict) else None)
+    return model if isinstance(model, str) and model else None
+
+
+def _string(raw: bytes) -> str | None:
+    """A JSON string's content as matched (escapes decoded)."""
+    if b"\\" not in raw:
+        return raw.decode("utf-8", "replace")
+    try:
+        value = json.loads(b'"' + raw + b'"')
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _parsed(body: bytes) -> object:
     if len(body) > _PARSE_AT_MOST or body.lstrip()[:1] != b"{":
         return None
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
-    model = data.get("model") if isinstance(data, dict) else None
-    return model if isinstance(model, str) and model else None
