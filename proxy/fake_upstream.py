@@ -37,7 +37,8 @@ Request headers inject faults (so a test can reach them through a proxy):
 ``br`` uses the ``brotli`` package and ``zstd`` the standard library's (or its
 backport's) ``compression.zstd``, both installed with slotproxy.
 
-Only model requests (the four POST routes) are counted and capped; ``/v1/models``,
+Only model requests (the four POST routes, and the ``response.create`` frames
+of a WebSocket, below) are counted and capped; ``/v1/models``,
 ``/v1/usage`` and ``/stats`` never are, so polling them changes nothing.
 
 A request's *key* is the auth value it carries: ``Authorization`` without a
@@ -79,6 +80,57 @@ was counted:
 ``anthropic-ratelimit-unified-reset``       with ``unified``: the reset, in
                                             epoch seconds rounded up
 ==========================================  ====================================
+
+The Responses API over WebSocket (Codex's transport): a ``GET /v1/responses``
+with ``Upgrade: websocket`` opens a socket (permessage-deflate when the client
+offers it, the first offered subprotocol echoed); a plain GET still gets 405.
+Each text frame ``{"type": "response.create", ...}`` (the POST body's fields,
+at the top or under ``response``) is one model request, recorded, keyed (by the
+handshake's auth), admitted, counted and released like a POST, and answered
+with the events of the SSE stream, one JSON text frame each. The frames of one
+socket are answered one after another, in order. ``"generate": false`` (Codex's
+warm-up) gets ``response.created`` and an empty ``response.completed`` (no
+output, usage all zero) at once. An error is one frame, after which the socket
+stays open::
+
+    {"type": "error", "status": 429,
+     "error": {"message": "Concurrency limit exceeded. Please try again in 1s.",
+               "type": "rate_limit_error", "code": "rate_limit_exceeded"},
+     "headers": {"retry-after": "1", "retry-after-ms": "1000"}}
+
+A ``response.create`` over the cap, ``key_limit`` or window gets that 429 (the
+wait as the HTTP 429 states it; ``headers`` only on 429s); a frame that is no
+JSON object, or bad knobs, a 400 (type and code ``invalid_request_error``).
+Binary frames and frames of any other type (``response.cancel``) are ignored.
+A client that closes the socket, or vanishes, mid-response frees its slot at
+once. ``stats()`` counts ``websockets`` open and ``websockets_opened``.
+
+The handshake's ``x-fake-*`` headers apply to every response of its socket
+(all but ``reset-after``, ``gzip``, ``encoding`` and ``ratelimit-headers``,
+which are ignored). A frame may carry ``"x_fake": {...}``, the same knobs by
+their names without ``x-fake-`` (``{"chunks": 3, "delay-ms": 10}``), over the
+handshake's (null unsets one). ``status`` sends an error frame with that status
+once admitted. ``stream-error`` sends, after the first delta, ``response.failed``
+(form ``failed``) or the frame ``{"type": "error", "status": S, "error":
+{"type": T, "code": T, "message": ...}}`` (form ``event``; S is 429 when T
+contains ``rate_limit``, 503 when it contains ``overloaded``, else 500); then
+the response ends. WebSocket-only knobs (in a frame by these names, on the
+handshake as ``x-fake-close-after`` and ``x-fake-drop-after``; not both):
+
+==============================  ===============================================
+``x-fake-ws-refuse: N``         handshake only: refuse the upgrade with status N
+                                (200-599) and the error body; a 429 with
+                                Retry-After, counted in ``rate_limited``
+``close-after: K``              after K deltas, close the socket with code 1011
+                                (an upstream close)
+``drop-after: K``               after K deltas, reset the TCP connection (no
+                                close frame)
+==============================  ===============================================
+
+Options ``websocket=False`` (``--no-websocket``) refuse every upgrade with 404
+and the error body, as a server without the mode; ``ws_refuse_429``
+(``--ws-refuse-429``) refuses an upgrade arriving while ``active >= cap`` with a
+429 and Retry-After, counted in ``rate_limited``.
 """
 
 from __future__ import annotations
@@ -97,11 +149,11 @@ import uuid
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from aiohttp import web
+from aiohttp import WSCloseCode, WSMsgType, hdrs, web
 
 from .decoders import zstd_module
 
@@ -140,10 +192,28 @@ _ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
+def _compact(data: Any) -> str:
+    return json.dumps(data, separators=(",", ":"))
+
+
 def _sse(data: Any, event: str | None = None) -> bytes:
     head = f"event: {event}\n" if event else ""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    payload = data if isinstance(data, str) else _compact(data)
     return f"{head}data: {payload}\n\n".encode()
+
+
+def _typed_sse(event: dict[str, Any]) -> bytes:
+    """A typed event (Responses API) as SSE, named by its ``type``."""
+    return _sse(event, event["type"])
+
+
+def _stream_error_message(kind: str) -> str:
+    return _RATE_LIMIT_MESSAGE if "rate_limit" in kind else f"In-stream error: {kind}"
+
+
+def _retry_after_headers(seconds: float) -> dict[str, str]:
+    """Retry-After (whole seconds, rounded up, at least 1) and retry-after-ms (exact) for a wait."""
+    return {"retry-after": str(max(1, math.ceil(seconds))), "retry-after-ms": str(round(seconds * 1000))}
 
 
 def _piece(index: int) -> str:
@@ -409,6 +479,8 @@ class _ResponsesDialect(_Dialect):
 
     Event ``sequence_number``s follow from the positions: four opening events,
     then one per chunk, then the four closing ones (or the error after a chunk).
+    The ``*_events`` builders give the events as objects, shared by the SSE
+    stream and the WebSocket mode.
     """
 
     id_prefix = "resp_"
@@ -419,6 +491,18 @@ class _ResponsesDialect(_Dialect):
                               usage=self.responses_usage(reply))
 
     def opening(self, reply: _Reply) -> list[bytes]:
+        return [_typed_sse(event) for event in self.opening_events(reply)]
+
+    def chunk(self, reply: _Reply, index: int) -> bytes:
+        return _typed_sse(self.chunk_event(reply, index))
+
+    def closing(self, reply: _Reply) -> list[bytes]:
+        return [_typed_sse(event) for event in self.closing_events(reply)]
+
+    def stream_error(self, reply: _Reply, kind: str, *, after: int, form: str) -> bytes:
+        return _typed_sse(self.stream_error_event(reply, kind, after=after, form=form))
+
+    def opening_events(self, reply: _Reply) -> list[dict[str, Any]]:
         snapshot = self._response(reply, "in_progress", [])
         where = {"item_id": self._item_id(reply), "output_index": 0, "content_index": 0}
         return [
@@ -429,11 +513,11 @@ class _ResponsesDialect(_Dialect):
             self._event(3, "response.content_part.added", **where, part=self._text_part("")),
         ]
 
-    def chunk(self, reply: _Reply, index: int) -> bytes:
+    def chunk_event(self, reply: _Reply, index: int) -> dict[str, Any]:
         return self._event(self._OPENED + index, "response.output_text.delta", item_id=self._item_id(reply),
                            output_index=0, content_index=0, delta=_piece(index), logprobs=[])
 
-    def closing(self, reply: _Reply) -> list[bytes]:
+    def closing_events(self, reply: _Reply) -> list[dict[str, Any]]:
         seq = self._OPENED + reply.chunks
         where = {"item_id": self._item_id(reply), "output_index": 0, "content_index": 0}
         message = self._message(reply, "completed", reply.text)
@@ -445,13 +529,22 @@ class _ResponsesDialect(_Dialect):
             self._event(seq + 3, "response.completed", response=done),
         ]
 
-    def stream_error(self, reply: _Reply, kind: str, *, after: int, form: str) -> bytes:
+    def stream_error_event(self, reply: _Reply, kind: str, *, after: int, form: str) -> dict[str, Any]:
         seq = self._OPENED + after + 1
-        message = _RATE_LIMIT_MESSAGE if "rate_limit" in kind else f"In-stream error: {kind}"
+        message = _stream_error_message(kind)
         if form == "event":
             return self._event(seq, "error", code=kind, message=message, param=None)
         failed = self._response(reply, "failed", [], error={"code": kind, "message": message})
         return self._event(seq, "response.failed", response=failed)
+
+    def warmup_events(self, reply: _Reply) -> list[dict[str, Any]]:
+        """A warm-up's answer (``"generate": false``): created, then completed with no output and no usage."""
+        empty = replace(reply, chunks=0, prompt_tokens=0)
+        done = self._response(empty, "completed", [], usage=self.responses_usage(empty))
+        return [
+            self._event(0, "response.created", response=self._response(empty, "in_progress", [])),
+            self._event(1, "response.completed", response=done),
+        ]
 
     @staticmethod
     def responses_usage(reply: _Reply) -> dict[str, Any]:
@@ -464,8 +557,8 @@ class _ResponsesDialect(_Dialect):
         }
 
     @staticmethod
-    def _event(seq: int, kind: str, **fields: Any) -> bytes:
-        return _sse({"type": kind, "sequence_number": seq, **fields}, kind)
+    def _event(seq: int, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "sequence_number": seq, **fields}
 
     @staticmethod
     def _item_id(reply: _Reply) -> str:
@@ -555,11 +648,13 @@ def _in_range(raw: str, kind: _Kind, low: float, high: float = math.inf) -> int 
     return value if low <= value <= high else None
 
 
-def _number_header(headers: Mapping[str, str], name: str, kind: _Kind, low: float, what: str) -> Any:
+def _number_header(
+    headers: Mapping[str, str], name: str, kind: _Kind, low: float, what: str, high: float = math.inf
+) -> Any:
     raw = headers.get(name)
     if raw is None:
         return None
-    value = _in_range(raw, kind, low)
+    value = _in_range(raw, kind, low, high)
     if value is None:
         raise ValueError(f"{name} must be {what}, got {raw!r}")
     return value
@@ -673,7 +768,9 @@ class FakeUpstream:
     flight per key; ``window_requests`` (None: no window) are admitted per key
     per fixed window of ``window_seconds``, announced in every answer's
     headers; ``unified`` adds Anthropic's unified status to them (see the
-    module's text). Options may be changed while running.
+    module's text). ``websocket`` False refuses the Responses API's WebSocket
+    upgrades with 404; ``ws_refuse_429`` refuses an upgrade with 429 while the
+    cap is full. Options may be changed while running.
     """
 
     cap: int | None = None
@@ -685,6 +782,8 @@ class FakeUpstream:
     window_requests: int | None = None
     window_seconds: float = 60.0
     unified: bool = False
+    websocket: bool = True
+    ws_refuse_429: bool = False
     max_concurrency: int = field(default=0, init=False)
     active: int = field(default=0, init=False)
     rate_limited: int = field(default=0, init=False)
@@ -694,6 +793,8 @@ class FakeUpstream:
     arrivals: list[dict[str, Any]] = field(default_factory=list, init=False)
     last_headers: dict[str, str] = field(default_factory=dict, init=False)
     keys: dict[str, _KeyStats] = field(default_factory=dict, init=False)
+    websockets: int = field(default=0, init=False)
+    websockets_opened: int = field(default=0, init=False)
     _windows: dict[str, _Window] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -712,9 +813,11 @@ class FakeUpstream:
         """Zero the statistics and close every key's window.
 
         ``active`` and the keys with requests in flight stay (with their
-        ``in_flight``), since those requests will still end.
+        ``in_flight``), since those requests will still end; so do the open
+        WebSockets, which ``websockets_opened`` restarts from.
         """
         self.max_concurrency = self.active
+        self.websockets_opened = self.websockets
         self.rate_limited = self.window_rejected = self.requests = self.completed = 0
         self.arrivals.clear()
         self.last_headers = {}
@@ -740,6 +843,8 @@ class FakeUpstream:
             "arrivals": list(self.arrivals),
             "last_headers": dict(self.last_headers),
             "keys": {key: asdict(account) for key, account in self.keys.items()},
+            "websockets": self.websockets,
+            "websockets_opened": self.websockets_opened,
         }
 
     def app(self) -> web.Application:
@@ -749,6 +854,7 @@ class FakeUpstream:
         app.router.add_post("/v1/completions", self._route(_CompletionDialect()))
         app.router.add_post("/v1/messages", self._route(_MessagesDialect()))
         app.router.add_post("/v1/responses", self._route(_ResponsesDialect()))
+        app.router.add_get("/v1/responses", self._responses_socket, allow_head=False)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/usage", self._usage)
         app.router.add_get("/stats", self._stats)
@@ -764,7 +870,7 @@ class FakeUpstream:
     async def _handle(self, request: web.Request, dialect: _Dialect) -> web.StreamResponse:
         body, size = await _read_json(request)
         key = _key(request.headers)
-        self._record(request, body, key)
+        self._record(request.headers, body, key, request.headers.get("x-fake-tag"))
         try:
             knobs = _Knobs.parse(request.headers, self)
         except ValueError as exc:
@@ -815,11 +921,11 @@ class FakeUpstream:
         state = _WindowState(limit=self.window_requests, admitted=window.admitted, left=left)
         return dialect.window_headers(state, unified=self.unified) | knobs.ratelimit_headers
 
-    def _record(self, request: web.Request, body: dict[str, Any], key: str) -> None:
+    def _record(self, headers: Mapping[str, str], body: dict[str, Any], key: str, tag: str | None) -> None:
+        """Count one model request; ``tag`` None falls back to the body's ``user``."""
         self.requests += 1
         self.keys.setdefault(key, _KeyStats()).requests += 1
-        self.last_headers = {name.lower(): value for name, value in request.headers.items()}
-        tag = request.headers.get("x-fake-tag")
+        self.last_headers = {name.lower(): value for name, value in headers.items()}
         if tag is None:
             tag = body.get("user") if isinstance(body.get("user"), str) else ""
         self.arrivals.append({"tag": tag, "at": int(time.time() * 1000)})
@@ -845,6 +951,10 @@ class FakeUpstream:
         self.active -= 1
         self.keys[key].in_flight -= 1
 
+    def _count_rate_limited(self, key: str) -> None:
+        self.rate_limited += 1
+        self.keys.setdefault(key, _KeyStats()).rejected += 1
+
     @staticmethod
     def _reply(dialect: _Dialect, body: dict[str, Any], size: int, knobs: _Knobs) -> _Reply:
         options = body.get("stream_options")
@@ -865,11 +975,9 @@ class FakeUpstream:
         """An error answer; a 429 is counted (for its key too) and states ``retry_after`` seconds unless None."""
         waits: dict[str, str] = {}
         if status == 429:
-            self.rate_limited += 1
-            self.keys[key].rejected += 1
+            self._count_rate_limited(key)
             if retry_after is not None:
-                waits["retry-after"] = str(max(1, math.ceil(retry_after)))
-                waits["retry-after-ms"] = str(round(retry_after * 1000))
+                waits = _retry_after_headers(retry_after)
         response = web.json_response(dialect.error_body(status, message, code), status=status, headers=waits)
         response.headers.update(headers)
         return response
@@ -966,6 +1074,9 @@ class FakeUpstream:
             await write(event)
         return True
 
+    async def _responses_socket(self, request: web.Request) -> web.StreamResponse:
+        return await _ResponsesSocket.handshake(self, request)
+
     async def _models(self, request: web.Request) -> web.Response:
         """A model list both SDKs accept: OpenAI's fields and Anthropic's side by side."""
         model = {
@@ -990,6 +1101,272 @@ class FakeUpstream:
     async def _reset(self, request: web.Request) -> web.Response:
         self.reset()
         return web.json_response(self.stats())
+
+
+# --- the Responses API over WebSocket ----------------------------------------------------------
+
+_KNOB_PREFIX = "x-fake-"
+_SOCKET_KNOBS = frozenset({
+    "chunks", "delay-ms", "stall-ms", "status", "no-retry-after", "error-code", "tag",
+    "stream-error", "stream-error-form", "close-after", "drop-after",
+})
+_REFUSAL_STATUSES = (200, 599)
+
+
+def _knob_text(name: str, value: Any) -> str:
+    """A frame knob's JSON value as the header value it stands for."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, str | int | float):
+        return str(value)
+    raise ValueError(f"x_fake.{name} must be a string, a number or a boolean, got {_compact(value)}")
+
+
+def _socket_knob_headers(handshake: Mapping[str, str], frame_knobs: Any) -> dict[str, str]:
+    """One response's knobs as headers: the handshake's, overridden by the frame's ``x_fake`` (null unsets)."""
+    merged = {name: value for name, value in handshake.items()
+              if name.startswith(_KNOB_PREFIX) and name.removeprefix(_KNOB_PREFIX) in _SOCKET_KNOBS}
+    if frame_knobs is None:
+        return merged
+    if not isinstance(frame_knobs, dict):
+        raise TypeError(f"x_fake must be a JSON object, got {_compact(frame_knobs)}")
+    for name, value in frame_knobs.items():
+        if name not in _SOCKET_KNOBS:
+            raise ValueError(f"x_fake has no knob {name!r}; the knobs are {', '.join(sorted(_SOCKET_KNOBS))}")
+        if value is None:
+            merged.pop(_KNOB_PREFIX + name, None)
+        else:
+            merged[_KNOB_PREFIX + name] = _knob_text(name, value)
+    return merged
+
+
+def _socket_tag(handshake: Mapping[str, str], frame_knobs: Any) -> str | None:
+    if isinstance(frame_knobs, dict) and isinstance(frame_knobs.get("tag"), str):
+        return str(frame_knobs["tag"])
+    return handshake.get("x-fake-tag")
+
+
+def _stream_error_status(kind: str) -> int:
+    if "rate_limit" in kind:
+        return 429
+    return 503 if "overloaded" in kind else 500
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """Where a response is cut off: after ``after`` deltas, by a 1011 close or (``drop``) a TCP reset."""
+
+    after: int
+    drop: bool
+
+
+@dataclass(frozen=True)
+class _SocketKnobs(_Knobs):
+    """One WebSocket response's knobs: the HTTP ones that apply, and the cut."""
+
+    cut: _Cut | None = None
+
+    @classmethod
+    def parse(cls, headers: Mapping[str, str], fake: FakeUpstream) -> _SocketKnobs:
+        close_after = _number_header(headers, "x-fake-close-after", int, 0, "an integer >= 0")
+        drop_after = _number_header(headers, "x-fake-drop-after", int, 0, "an integer >= 0")
+        if close_after is not None and drop_after is not None:
+            raise ValueError("close-after and drop-after cannot both be set")
+        cut = None if close_after is None and drop_after is None else \
+            _Cut(close_after if drop_after is None else drop_after, drop=drop_after is not None)
+        return cls(**vars(_Knobs.parse(headers, fake)), cut=cut)
+
+
+class _ResponsesSocket:
+    """One WebSocket of the Responses API, as Codex opens it.
+
+    Its text frames are answered one after another, in order: a worker task
+    answers them while a reader task watches for the client's close, so a
+    client that closes (or vanishes) mid-response frees its slot at once. A
+    cut-off waits for both to stop, since aiohttp skips the close handshake
+    when ``close()`` runs beside a ``receive()``.
+    """
+
+    dialect = _ResponsesDialect()
+
+    def __init__(self, fake: FakeUpstream, request: web.Request, ws: web.WebSocketResponse) -> None:
+        self.fake = fake
+        self.request = request
+        self.ws = ws
+        self.headers = {name.lower(): value for name, value in request.headers.items()}
+        self.key = _key(request.headers)
+
+    @classmethod
+    async def handshake(cls, fake: FakeUpstream, request: web.Request) -> web.StreamResponse:
+        if request.headers.get(hdrs.UPGRADE, "").strip().lower() != "websocket":
+            raise web.HTTPMethodNotAllowed(request.method, ["POST"])
+        fake.last_headers = {name.lower(): value for name, value in request.headers.items()}
+        refusal = cls._refusal(fake, request)
+        if refusal is not None:
+            return refusal
+        offered = [p.strip() for p in request.headers.get(hdrs.SEC_WEBSOCKET_PROTOCOL, "").split(",") if p.strip()]
+        ws = web.WebSocketResponse(autoping=True, compress=True, max_msg_size=0, protocols=offered)
+        await ws.prepare(request)
+        fake.websockets += 1
+        fake.websockets_opened += 1
+        try:
+            await cls(fake, request, ws).serve()
+        finally:
+            fake.websockets -= 1
+        return ws
+
+    @classmethod
+    def _refusal(cls, fake: FakeUpstream, request: web.Request) -> web.Response | None:
+        """The answer refusing this upgrade, or None to accept it."""
+        if not fake.websocket:
+            body = cls.dialect.error_body(404, "This server does not serve the Responses API over WebSocket")
+            return web.json_response(body, status=404)
+        low, high = _REFUSAL_STATUSES
+        try:
+            status = _number_header(request.headers, "x-fake-ws-refuse", int, low, f"a status {low}-{high}", high)
+        except ValueError as exc:
+            return web.json_response(cls.dialect.error_body(400, str(exc)), status=400)
+        key = _key(request.headers)
+        wait = None if _flag(request.headers, "x-fake-no-retry-after") else fake.retry_after
+        if status is not None:
+            return fake._error(cls.dialect, status, f"Injected refusal {status} of the WebSocket upgrade",
+                               key=key, retry_after=wait, headers={})
+        if fake.ws_refuse_429 and fake.cap is not None and fake.active >= fake.cap:
+            return fake._error(cls.dialect, 429, "Concurrency limit exceeded", key=key, retry_after=wait, headers={})
+        return None
+
+    async def serve(self) -> None:
+        frames: asyncio.Queue[str] = asyncio.Queue()
+        reader = asyncio.create_task(self._read(frames))
+        worker = asyncio.create_task(self._work(frames))
+        try:
+            await asyncio.wait((reader, worker), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            reader.cancel()
+            worker.cancel()
+            await asyncio.wait((reader, worker))
+        cut = None if worker.cancelled() else worker.result()
+        if cut is not None:
+            await self._cut_off(cut)
+
+    async def _read(self, frames: asyncio.Queue[str]) -> None:
+        async for message in self.ws:
+            if message.type is WSMsgType.TEXT:
+                frames.put_nowait(message.data)
+
+    async def _work(self, frames: asyncio.Queue[str]) -> _Cut | None:
+        """Answer the frames until one cuts the socket off; None once the client is gone."""
+        try:
+            while True:
+                cut = await self._frame(await frames.get())
+                if cut is not None:
+                    return cut
+        except ConnectionResetError:
+            return None
+
+    async def _frame(self, text: str) -> _Cut | None:
+        try:
+            frame = json.loads(text)
+        except ValueError:
+            frame = None
+        if not isinstance(frame, dict):
+            await self._send_error(400, "A text frame must hold a JSON object, such as a response.create event")
+            return None
+        if frame.get("type") != "response.create":
+            return None
+        return await self._respond(frame, len(text))
+
+    async def _respond(self, frame: dict[str, Any], size: int) -> _Cut | None:
+        """Count, admit and answer one ``response.create``; what to cut the socket with, if anything."""
+        fake, key = self.fake, self.key
+        body = frame["response"] if isinstance(frame.get("response"), dict) else frame
+        frame_knobs = frame.get("x_fake")
+        fake._record(self.headers, body, key, _socket_tag(self.headers, frame_knobs))
+        try:
+            knobs = _SocketKnobs.parse(_socket_knob_headers(self.headers, frame_knobs), fake)
+        except (TypeError, ValueError) as exc:
+            await self._send_error(400, str(exc))
+            return None
+        window = fake._window(key)
+        refusal = fake._refusal(key, window)
+        if refusal is not None:
+            message, wait = refusal
+            fake._count_rate_limited(key)
+            await self._send_error(429, f"{message}. Please try again in {_openai_duration(wait)}.", retry_after=wait)
+            return None
+        fake._admit(key, window)
+        try:
+            return await self._answer(knobs, fake._reply(self.dialect, body, size, knobs), body.get("generate") is False)
+        finally:
+            fake._schedule_release(key)
+
+    async def _answer(self, knobs: _SocketKnobs, reply: _Reply, warmup: bool) -> _Cut | None:
+        if knobs.stall_ms and not warmup:
+            await asyncio.sleep(knobs.stall_ms / 1000)
+        if knobs.status is not None:
+            await self._injected_status(knobs)
+        elif warmup:
+            await self._send_all(self.dialect.warmup_events(reply))
+        else:
+            cut = await self._stream(knobs, reply)
+            if cut is not None:
+                return cut
+        self.fake.completed += 1
+        return None
+
+    async def _stream(self, knobs: _SocketKnobs, reply: _Reply) -> _Cut | None:
+        await self._send_all(self.dialect.opening_events(reply))
+        cut = knobs.cut
+        for index in range(reply.chunks):
+            if cut is not None and index == cut.after:
+                return cut
+            await asyncio.sleep(knobs.delay_ms / 1000)
+            await self._send(self.dialect.chunk_event(reply, index))
+            if knobs.stream_error:
+                await self._send(self._stream_error(reply, knobs.stream_error, knobs.stream_error_form, index))
+                return None
+        if cut is not None:
+            return cut
+        await self._send_all(self.dialect.closing_events(reply))
+        return None
+
+    def _stream_error(self, reply: _Reply, kind: str, form: str, after: int) -> dict[str, Any]:
+        """``response.failed`` (form ``failed``), else a top-level error frame with the status it stands for."""
+        if form == "failed":
+            return self.dialect.stream_error_event(reply, kind, after=after, form=form)
+        error = {"type": kind, "code": kind, "message": _stream_error_message(kind)}
+        return {"type": "error", "status": _stream_error_status(kind), "error": error}
+
+    async def _injected_status(self, knobs: _SocketKnobs) -> None:
+        status = knobs.status
+        assert status is not None
+        if status == 429:
+            self.fake._count_rate_limited(self.key)
+        wait = self.fake.retry_after if status == 429 and knobs.retry_after else None
+        await self._send_error(status, f"Injected status {status}", code=knobs.error_code, retry_after=wait)
+
+    async def _send_error(
+        self, status: int, message: str, *, code: str | None = None, retry_after: float | None = None
+    ) -> None:
+        """An error frame as Codex reads one: ``status`` set, and for a 429 the wait in ``headers``."""
+        frame: dict[str, Any] = {"type": "error", "status": status,
+                                 "error": self.dialect.error_body(status, message, code)["error"]}
+        if retry_after is not None:
+            frame["headers"] = _retry_after_headers(retry_after)
+        await self._send(frame)
+
+    async def _send_all(self, events: list[dict[str, Any]]) -> None:
+        for event in events:
+            await self._send(event)
+
+    async def _send(self, event: dict[str, Any]) -> None:
+        await self.ws.send_str(_compact(event))
+
+    async def _cut_off(self, cut: _Cut) -> None:
+        if cut.drop:
+            _abort(self.request)
+            return
+        await self.ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"Injected upstream close")
 
 
 async def start_fake_upstream(
@@ -1028,7 +1405,8 @@ _window_length = _bounded(float, math.ulp(0.0), MAX_WINDOW_SECONDS, f"a number >
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``fake-upstream`` flags.
 
-    Dests: port, cap, chunks, delay_ms, lag_ms, key_limit, window_requests, window_seconds, unified.
+    Dests: port, cap, chunks, delay_ms, lag_ms, key_limit, window_requests, window_seconds, unified,
+    websocket, ws_refuse_429.
     """
     add = parser.add_argument
     add("--port", type=_port, default=DEFAULT_PORT, help="port on 127.0.0.1 (default 9100)")
@@ -1040,7 +1418,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--window-requests", type=_positive_int, default=None,
         help="requests admitted per API key per window, announced in rate-limit headers (default: no window)")
     add("--window-seconds", type=_window_length, default=60.0, help="length of a key's request window (default 60)")
-    add("--unified", action="store_true", help="Anthropic answers also carry the unified rate-limit headers")
+    add("--unified", action="store_true",
+        help="Anthropic answers also carry the unified rate-limit headers (default: off)")
+    add("--no-websocket", dest="websocket", action="store_false",
+        help="refuse WebSocket upgrades of /v1/responses with 404, as a server without that mode "
+             "(default: upgrades accepted)")
+    add("--ws-refuse-429", action="store_true",
+        help="refuse a WebSocket upgrade with 429 while the cap is full (default: off; the upgrade succeeds "
+             "and a response.create over the cap gets an error event)")
 
 
 async def _serve_until_signalled(fake: FakeUpstream, port: int) -> None:
@@ -1058,6 +1443,10 @@ async def _serve_until_signalled(fake: FakeUpstream, port: int) -> None:
         details.append(f"window={fake.window_requests}/{fake.window_seconds:g}s")
     if fake.unified:
         details.append("unified")
+    if not fake.websocket:
+        details.append("no-websocket")
+    if fake.ws_refuse_429:
+        details.append("ws-refuse-429")
     print(f"fake-upstream listening on http://127.0.0.1:{bound} ({', '.join(details)})", flush=True)
     try:
         await stop.wait()
@@ -1078,10 +1467,13 @@ def run(
     window_requests: int | None = None,
     window_seconds: float = 60.0,
     unified: bool = False,
+    websocket: bool = True,
+    ws_refuse_429: bool = False,
 ) -> None:
     """Serve a fake upstream on 127.0.0.1 until SIGINT or SIGTERM (the ``fake-upstream`` command)."""
     fake = FakeUpstream(
         cap=cap, chunks=chunks, delay_ms=delay_ms, lag_ms=lag_ms, key_limit=key_limit,
         window_requests=window_requests, window_seconds=window_seconds, unified=unified,
+        websocket=websocket, ws_refuse_429=ws_refuse_429,
     )
     asyncio.run(_serve_until_signalled(fake, port))
