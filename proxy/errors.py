@@ -18,7 +18,8 @@
         ├── RequestTimeout         408 request_timeout: the request body stalled past body_timeout
         ├── TooManyConnections     503 too_many_connections: at max_connections, every connection busy
         ├── UpstreamUnreachable    502 upstream_unreachable
-        └── UpstreamTimeout        504 upstream_timeout
+        ├── UpstreamTimeout        504 upstream_timeout
+        └── WebSocketUnsupported   426 websocket_unsupported: the client falls back to HTTP at once
 
 Foreign errors (aiohttp, YAML, pydantic, Redis) are translated into these at one
 boundary each, with ``raise ... from exc``.
@@ -44,6 +45,7 @@ __all__ = [
     "UnknownProvider",
     "UpstreamTimeout",
     "UpstreamUnreachable",
+    "WebSocketUnsupported",
 ]
 
 
@@ -142,6 +144,13 @@ class UpstreamUnreachable(ProxyError):
 
 class UpstreamTimeout(ProxyError):
     status, code = 504, "upstream_timeout"
+
+
+class WebSocketUnsupported(ProxyError):
+    """A WebSocket upgrade the proxy cannot serve: 426 makes clients such as Codex use HTTP at once, where
+    any other refusal makes them retry the upgrade for seconds first."""
+
+    status, code = 426, "websocket_unsupported"
 
 
 class AdminError(ProxyError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 from .limiter.clock import Timer
 from .limiter.deadlines import Deadlines
@@ -75,9 +76,10 @@ class IdleWatch:
     def __len__(self) -> int:
         return self._live
 
-    def watch(self, delay: float) -> Watch:
-        """A deadline ``delay`` seconds from now for the current task; ``close()`` it when done."""
-        task = asyncio.current_task()
+    def watch(self, delay: float, task: asyncio.Task[Any] | None = None) -> Watch:
+        """A deadline ``delay`` seconds from now for ``task`` (the current one by default); ``close()`` it
+        when done."""
+        task = task or asyncio.current_task()
         assert task is not None
         entry = Watch(self, task, delay, self._clock.time())
         self._live += 1

@@ -45,6 +45,7 @@ from .limiter import Budget, Priority, SlotLease
 from .model_name import request_model
 from .runtime import ProxyState
 from .signals import Backoff, classify_response, readable_body, stream_scanner
+from .websocket import relay_websocket, wants_websocket
 
 if TYPE_CHECKING:
     from .config import ProviderSettings
@@ -120,12 +121,16 @@ async def relay(request: web.Request, state: ProxyState, provider: str, rest: st
         injected = known is not None and state.upstreams.injects_auth(known)
         consumed = state.client_keys.check(request.headers, provider_key_injected=injected)
     settings, url = _route(request, state, provider, rest)
+    if request.method == "GET" and "Upgrade" in request.headers and wants_websocket(request.headers):
+        return await relay_websocket(request, state, provider, settings, url, consumed)
     state.request_started()
     priority: Priority | None = None
     try:
         check_header_bytes(request.headers, skip=state.strip_headers)
         body = await read_body(request, state.config.server.max_body, state.config.server.body_timeout)
-        priority, invalid = parse_priority(request.headers, state.priority_headers, time.time())
+        # Only a Responses API body may carry Codex's turn metadata (client_metadata): others are not searched.
+        priority, invalid = parse_priority(request.headers, state.priority_headers, time.time(),
+                                           body if rest.endswith("responses") else b"")
         for key in invalid:
             state.metrics.invalid_headers.labels(key).inc()
         response = await Exchange(request, state, provider, settings, url, body, priority, consumed, rest).run()

@@ -7,6 +7,7 @@
 - ``StarOverrides`` and ``StateWriter``: runtime stars and the state file;
 - ``UsagePollers``: the usage gates' poll loops;
 - ``BrowserGuard`` and ``ConnectionGuard``: who may call, and how slowly;
+- ``OpenSockets``: the WebSockets open now (status, metrics, shutdown);
 - the request count that graceful shutdown waits on.
 
 The status document (``admin.status``) and the HTTP layer read these parts; none
@@ -21,6 +22,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Protocol
 
 from .access import ClientKeys
 from .admin.metrics import Metrics
@@ -36,7 +38,7 @@ from .state import StarOverrides, StateStore, StateWriter
 from .upstreams import Upstreams
 from .usage import UsagePollers
 
-__all__ = ["ProxyState", "limiter_settings", "make_backend"]
+__all__ = ["OpenSocket", "OpenSockets", "ProxyState", "limiter_settings", "make_backend"]
 
 log = logging.getLogger("slotproxy")
 
@@ -63,6 +65,38 @@ def limiter_settings(settings: ProviderSettings, environ: Mapping[str, str] | No
     )
 
 
+class OpenSocket(Protocol):
+    provider: str
+
+    def shutdown(self) -> None:
+        """Close now if no response is in flight, else once the last one ends."""
+
+
+class OpenSockets:
+    """The relayed WebSockets open now, by provider."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, set[OpenSocket]] = {}
+
+    def opened(self, socket: OpenSocket) -> None:
+        self._open.setdefault(socket.provider, set()).add(socket)
+
+    def closed(self, socket: OpenSocket) -> None:
+        sockets = self._open.get(socket.provider)
+        if sockets is not None:
+            sockets.discard(socket)
+
+    def count(self, provider: str) -> int:
+        return len(self._open.get(provider, ()))
+
+    def shutdown(self) -> int:
+        """Ask every socket to close (graceful shutdown); returns how many were open."""
+        sockets = [socket for group in self._open.values() for socket in group]
+        for socket in sockets:
+            socket.shutdown()
+        return len(sockets)
+
+
 class ProxyState:
     """The running proxy's parts, and the config they were last given."""
 
@@ -70,7 +104,9 @@ class ProxyState:
         self.config_path = config_path
         self.config_error: str | None = None
         self.backend: Backend = backend or make_backend(config)
-        self.metrics = Metrics(lambda: self.backend.statistics(queue_detail=False), self.backend.backend_status)
+        self.open_sockets = OpenSockets()
+        self.metrics = Metrics(lambda: self.backend.statistics(queue_detail=False), self.backend.backend_status,
+                               self.open_sockets.count)
         self.upstreams = Upstreams()
         self.idle_watch = IdleWatch()
         """The idle_timeout deadlines of the upstream exchanges in flight."""

@@ -87,6 +87,7 @@ async def shutdown(state: ProxyState, runner: web.AppRunner) -> None:
     grace = state.config.server.shutdown_grace
     state.shutting_down = True
     shed = state.backend.shed_queues(ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0))
+    state.open_sockets.shutdown()
     log.info("shutting down: %d queued request(s) answered 503; waiting up to %.0fs for %d in flight",
              shed, grace, state.active_requests - shed)
     try:

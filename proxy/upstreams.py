@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Iterable, Mapping
 
@@ -10,10 +11,42 @@ from multidict import CIMultiDict
 
 from .config import ProviderSettings
 
-__all__ = ["Upstreams"]
+__all__ = ["Upstreams", "expect_upgrade", "refused_upgrade_body"]
 
 _SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 _SKIPPED: CIMultiDict[None] = CIMultiDict((name, None) for name in sorted(_SKIP_AUTO_HEADERS))
+
+
+_MAX_REFUSAL_BODY = 1 << 20
+_refusal_body: contextvars.ContextVar[bytes] = contextvars.ContextVar("slotproxy_refusal_body", default=b"")
+
+
+def expect_upgrade() -> None:
+    """Forget any earlier refusal's body before a WebSocket handshake (in the handshake's task)."""
+    _refusal_body.set(b"")
+
+
+def refused_upgrade_body() -> bytes:
+    """The body of the upgrade just refused, in the task that sent it (at most 1 MiB)."""
+    return _refusal_body.get()
+
+
+async def _keep_refusal_body(_session: aiohttp.ClientSession, _context: object,
+                             params: aiohttp.TraceRequestEndParams) -> None:
+    """aiohttp closes a refused upgrade unread; its body says why (a 429's wait), so it is read here, as the
+    answer arrives, in the handshake's own task, where ``refused_upgrade_body`` finds it."""
+    response = params.response
+    if response.status == 101:
+        return
+    chunks: list[bytes] = []
+    size = 0
+    while size < _MAX_REFUSAL_BODY and not response.content.at_eof():
+        chunk = await response.content.read(_MAX_REFUSAL_BODY - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    _refusal_body.set(b"".join(chunks))
 
 
 class _RelayedRequest(aiohttp.ClientRequest):
@@ -35,6 +68,7 @@ class Upstreams:
 
     def __init__(self) -> None:
         self._sessions: dict[bool, aiohttp.ClientSession] = {}
+        self._websocket_sessions: dict[tuple[bool, float], aiohttp.ClientSession] = {}
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         self._auth: dict[str, tuple[str, str] | None] = {}
         self._pool_auth: dict[str, dict[str, tuple[str, str]]] = {}
@@ -75,6 +109,28 @@ class Upstreams:
             self._sessions[settings.tls_verify] = session
         return session
 
+    def websocket_session_for(self, settings: ProviderSettings) -> aiohttp.ClientSession:
+        """The session upstream WebSockets open on: its own, because it reads the body of a refused upgrade
+        (a trace hook every answer would pay for on the relay's session), and its handshake's connect
+        timeout is the session's."""
+        policy = (settings.tls_verify, settings.connect_timeout)
+        session = self._websocket_sessions.get(policy)
+        if session is None or session.closed:
+            trace = aiohttp.TraceConfig()
+            trace.on_request_end.append(_keep_refusal_body)
+            connector = aiohttp.TCPConnector(limit=0, ssl=settings.tls_verify, ttl_dns_cache=300)
+            session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=_SKIP_AUTO_HEADERS,
+                trace_configs=[trace],
+                timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout, sock_read=None),
+                trust_env=False,
+            )
+            self._websocket_sessions[policy] = session
+        return session
+
     def client_timeout(self, settings: ProviderSettings) -> aiohttp.ClientTimeout:
         key = settings.connect_timeout
         timeout = self._timeouts.get(key)
@@ -85,9 +141,10 @@ class Upstreams:
         return timeout
 
     async def close(self) -> None:
-        for session in self._sessions.values():
+        for session in (*self._sessions.values(), *self._websocket_sessions.values()):
             await session.close()
         self._sessions.clear()
+        self._websocket_sessions.clear()
 
 
 def _auth_header(auth: str, key: str) -> tuple[str, str] | None:

@@ -19,6 +19,7 @@ from ..headers import valid_label
 from ..keys import STATE
 from ..limiter import validate_limit
 from ..state import TooManyStars
+from .status import provider_document
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -136,10 +137,10 @@ def _cooldown_from(body: dict[str, Any]) -> float:
 
 async def _provider_answer(request: web.Request, provider: str) -> web.Response:
     """That provider's status object, read after the write has landed (in Redis too)."""
-    backend = request.app[STATE].backend
-    await backend.flush()
-    await backend.refresh()
-    return json_answer(backend.provider_status(provider).to_dict())
+    state = request.app[STATE]
+    await state.backend.flush()
+    await state.backend.refresh()
+    return json_answer(provider_document(state, state.backend.provider_status(provider)))
 
 
 async def _provider_write(

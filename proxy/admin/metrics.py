@@ -102,9 +102,11 @@ class _PerRequestCollector(Collector):
 
 class _SnapshotCollector(Collector):
     def __init__(self, snapshot: Callable[[], list[ProviderStatus]],
-                 backend: Callable[[], dict[str, object]] | None) -> None:
+                 backend: Callable[[], dict[str, object]] | None,
+                 sockets: Callable[[str], int] | None = None) -> None:
         self._snapshot = snapshot
         self._backend = backend
+        self._sockets = sockets
 
     def collect(self) -> Iterable[Metric]:
         gauges = {
@@ -125,6 +127,8 @@ class _SnapshotCollector(Collector):
         }
         reductions = CounterMetricFamily("slotproxy_auto_reductions", "Limit reductions after upstream backoffs", labels=["provider"])
         reclaims = CounterMetricFamily("slotproxy_watchdog_reclaims", "Slots reclaimed after slot_timeout", labels=["provider"])
+        websockets = GaugeMetricFamily("slotproxy_websockets", "Relayed WebSockets open on this replica",
+                                       labels=["provider"])
         for status in self._snapshot():
             labels = [status.provider]
             gauges["in_flight"].add_metric(labels, status.in_flight)
@@ -133,6 +137,8 @@ class _SnapshotCollector(Collector):
             gauges["paused"].add_metric(labels, 1 if status.paused else 0)
             reductions.add_metric(labels, status.counters.get("auto_reductions", 0))
             reclaims.add_metric(labels, status.counters.get("reclaims", 0))
+            if self._sockets is not None:
+                websockets.add_metric(labels, self._sockets(status.provider))
             for key in status.keys:
                 key_labels = [status.provider, key.name]
                 per_key["in_flight"].add_metric(key_labels, key.in_flight)
@@ -149,6 +155,7 @@ class _SnapshotCollector(Collector):
         yield from per_model.values()
         yield reductions
         yield reclaims
+        yield websockets
         if self._backend is not None:
             info = self._backend()
             degraded = GaugeMetricFamily("slotproxy_backend_degraded",
@@ -162,7 +169,8 @@ class Metrics:
     """One registry per proxy instance, so several proxies in one process never collide."""
 
     def __init__(self, snapshot: Callable[[], list[ProviderStatus]],
-                 backend: Callable[[], dict[str, object]] | None = None) -> None:
+                 backend: Callable[[], dict[str, object]] | None = None,
+                 sockets: Callable[[str], int] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.backoffs = Counter(
             "slotproxy_upstream_backoff", "Upstream backoff answers (429, 529, in-stream rate-limit errors)",
@@ -175,7 +183,7 @@ class Metrics:
         self.request_counts: dict[tuple[str, str], int] = {}
         self.waits: dict[str, _Histogram] = {}
         self.registry.register(_PerRequestCollector(self))
-        self.registry.register(_SnapshotCollector(snapshot, backend))
+        self.registry.register(_SnapshotCollector(snapshot, backend, sockets))
         self.registry.register(_process_gc_pauses())
 
     def count_request(self, provider: str, status: str) -> None:

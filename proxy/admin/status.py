@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..limiter import ProviderStatus
 from ..runtime import ProxyState
 
-__all__ = ["status_document"]
+__all__ = ["provider_document", "status_document"]
 
 
 def status_document(state: ProxyState) -> dict[str, Any]:
     """Every provider's status from one backend snapshot; with Redis, ``await backend.refresh()`` first."""
     return {
-        "providers": [status.to_dict() for status in state.backend.statistics()],
+        "providers": [provider_document(state, status) for status in state.backend.statistics()],
         "backend": state.backend.backend_status(),
         "config": {
             "path": state.config_path,
@@ -20,3 +21,8 @@ def status_document(state: ProxyState) -> dict[str, Any]:
             "error": state.config_error,
         },
     }
+
+
+def provider_document(state: ProxyState, status: ProviderStatus) -> dict[str, Any]:
+    """One provider's object in the status document (also what an admin write answers with)."""
+    return {**status.to_dict(), "websockets": state.open_sockets.count(status.provider)}

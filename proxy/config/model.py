@@ -485,6 +485,8 @@ class Provider(_Frozen):
     keys: PoolKeys = ()
     models: dict[ModelPattern, ModelLimit] = Field(default_factory=dict)
     budgets: bool = False
+    websocket: bool = True
+    """Relay WebSocket upgrades (the Responses API's WebSocket mode), a slot per response; false: 426."""
 
     @model_validator(mode="after")
     def _one_way_to_name_the_key(self) -> Provider:
@@ -562,6 +564,7 @@ class ProviderSettings(_Frozen):
     keys: tuple[PoolKey, ...] = ()
     models: dict[str, ModelLimit] = Field(default_factory=dict)
     budgets: bool = False
+    websocket: bool = True
 
     @field_serializer("slot_methods", "backoff_statuses", "reduce_statuses", when_used="json")
     def _sorted(self, values: frozenset[Any]) -> list[Any]:
@@ -573,7 +576,8 @@ def _resolve(name: str, provider: Provider, defaults: Defaults) -> ProviderSetti
         key: getattr(provider if key in provider.model_fields_set else defaults, key)
         for key in Defaults.model_fields
     }
-    own = provider.model_dump(include={"upstream", "api_key_env", "auth", "tls_verify", "budgets"})
+    own = provider.model_dump(include={"upstream", "api_key_env", "auth", "tls_verify", "budgets",
+                                                "websocket"})
     return ProviderSettings(name=name, usage=provider.usage, keys=provider.keys, models=provider.models,
                             **own, **inherited)
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.asyncio
 
 PROVIDER_FIELDS = {
     "provider", "limit", "configured_limit", "in_flight", "queued", "paused", "paused_until", "cooldown_ms",
-    "auto_reduced", "auto_reduced_from", "notice", "queue", "usage", "rejected", "keys", "models",
+    "auto_reduced", "auto_reduced_from", "notice", "queue", "usage", "rejected", "keys", "models", "websockets",
 }
 
 
@@ -43,6 +43,8 @@ async def test_status_shows_every_field_and_the_queue_in_admission_order(start_u
     assert entry["queue"][0]["prompt_started_at"] == started
     assert entry["queue"][1]["conversation"] == "c-1"
     assert all(isinstance(w["waited_ms"], int) for w in entry["queue"])
+    assert [w["transport"] for w in entry["queue"]] == ["http", "http"]
+    assert entry["websockets"] == 0
     for response in await asyncio.gather(holder, *queued):
         await response.read()
         response.release()

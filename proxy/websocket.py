@@ -1,0 +1,488 @@
+"""The WebSocket relay: the Responses API's WebSocket mode (Codex's default transport), a slot per response.
+
+One socket carries a whole agent session: many responses, one ``response.create``
+frame each. The handshake takes no slot. Each ``response.create`` takes one, at
+every level that applies (the provider, the model cap, the key the socket opened
+with), before it is forwarded, and holds it until that response's terminal event
+(``response.completed``, ``response.failed``, ``response.incomplete`` or ``error``)
+has been written to the client, or either side closes, or ``idle_timeout`` /
+``slot_timeout`` fires (then both sockets close with 1011). Frames of one socket
+keep their order: the frames behind a queued ``response.create`` wait with it.
+
+A handshake refused for a reason no wait helps (the upstream has no WebSocket
+mode, or cannot be reached, or ``websocket: false``) gets 426: clients such as
+Codex then use HTTP at once, where any other status makes them retry the upgrade
+for seconds. A backoff status (429) is a signal like an HTTP answer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import WSCloseCode, WSMsgType, web
+from multidict import CIMultiDict
+from yarl import URL
+
+from .answers import ALLOWED_ORIGIN, Answer
+from .errors import (
+    ProxyError,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    WebSocketUnsupported,
+)
+from .headers import (
+    body_turn_started_at,
+    forward_request_headers,
+    forward_response_headers,
+    parse_priority,
+)
+from .idle import Watch
+from .keys import error_response
+from .limiter import Priority, SlotLease
+from .model_name import frame_model
+from .runtime import ProxyState
+from .signals import Backoff, classify_response, event_backoff, readable_body
+from .upstreams import expect_upgrade, refused_upgrade_body
+
+if TYPE_CHECKING:
+    from .config import ProviderSettings
+
+__all__ = ["relay_websocket", "wants_websocket"]
+
+log = logging.getLogger("slotproxy.websocket")
+
+_HANDSHAKE_HEADERS = frozenset({
+    "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions", "sec-websocket-protocol",
+    "sec-websocket-accept",
+})
+"""Written by the client side of aiohttp for the upstream handshake: the client's own are not passed on."""
+_TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.incomplete", b"error"})
+_TYPE_AT_START = re.compile(rb'\s*\{\s*"type"\s*:\s*"([a-z_.]{1,64})"')
+_CREATE = b"response.create"
+_UNSENDABLE_CLOSE_CODES = frozenset({1005, 1006, 1015})
+_CLOSE_WAIT = 5.0
+_PAUSE_MARGIN = 0.1
+"""A retried upgrade waits this much past its pause, so that a shared backend has seen the pause end too
+(its clock is Redis's): the retry's answer then counts as a burst of its own, as an HTTP retry's does."""
+_COMPLETED = 200
+_CLIENT_GONE = 499
+_UPSTREAM_FAILED = 502
+_TIMED_OUT = 504
+
+def wants_websocket(headers: Mapping[str, str]) -> bool:
+    """A WebSocket upgrade request (``Upgrade: websocket``; the method is checked by the caller)."""
+    upgrade = headers.get("Upgrade")
+    return upgrade is not None and upgrade.strip().lower() == "websocket"
+
+
+async def relay_websocket(request: web.Request, state: ProxyState, provider: str, settings: ProviderSettings,
+                          url: URL, consumed: frozenset[str]) -> web.StreamResponse:
+    """Relay one WebSocket upgrade on a provider route; an answer that is not a socket is counted here."""
+    relay = SocketRelay(request, state, provider, settings, url, consumed)
+    try:
+        response = await relay.open()
+    except ProxyError as exc:
+        response = error_response(exc)
+    if not isinstance(response, web.WebSocketResponse):
+        state.metrics.count_request(provider, str(response.status))
+        return response
+    return await relay.run(response)
+
+
+@dataclass(slots=True)
+class _Response:
+    """One response in flight on the socket: its slot, and how it ends."""
+
+    lease: SlotLease
+    started_at: float
+
+
+class SocketRelay:
+    """One client socket and its upstream socket."""
+
+    def __init__(self, request: web.Request, state: ProxyState, provider: str, settings: ProviderSettings,
+                 url: URL, consumed: frozenset[str]) -> None:
+        self.request = request
+        self.state = state
+        self.provider = provider
+        self.settings = settings
+        self.url = url.with_scheme("wss" if url.scheme == "https" else "ws")
+        self.consumed = consumed
+        now = time.time()
+        self.priority, invalid = parse_priority(request.headers, state.priority_headers, now,
+                                                transport="websocket")
+        for name in invalid:
+            state.metrics.invalid_headers.labels(name).inc()
+        self.prompt_from_handshake = self._handshake_names_prompt()
+        self.key: str | None = None
+        self.upstream: aiohttp.ClientWebSocketResponse[bool] | None = None
+        self.client: web.WebSocketResponse | None = None
+        self.in_flight: deque[_Response] = deque()
+        self.watch: Watch | None = None
+        self.upstream_pump: asyncio.Task[None] | None = None
+        self.closing_after_responses = False
+
+    def _handshake_names_prompt(self) -> bool:
+        """Whether the handshake itself said when the prompt began (else each response is aged from its own
+        turn metadata, or its arrival: a socket lives for a whole session)."""
+        headers = self.request.headers
+        if self.state.priority_headers.prompt_started_at in headers:
+            return True
+        metadata = headers.get("x-codex-turn-metadata")
+        return metadata is not None and b"turn_started_at_unix_ms" in metadata.encode("utf-8", "replace")
+
+    # ----- the handshake ---------------------------------------------------------------
+
+    async def open(self) -> web.StreamResponse:
+        """Open the upstream socket, then complete the client's handshake; or the answer that refuses it."""
+        if not self.settings.websocket:
+            raise WebSocketUnsupported(f"provider '{self.provider}' does not relay WebSockets "
+                                       f"(providers.{self.provider}.websocket is false): use HTTP")
+        if self.state.shutting_down:
+            raise ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0)
+        self.key = await self.state.backend.socket_key(self.provider, self.priority.conversation)
+        retries_left = self.settings.retry_on_429
+        while True:
+            refused = await self._connect_upstream()
+            if refused is None:
+                return await self._accept_client()
+            if not isinstance(refused, _Retry) or retries_left <= 0:
+                return refused.answer if isinstance(refused, _Retry) else refused
+            retries_left -= 1
+            log.info("provider=%s retrying a WebSocket upgrade after a %s, in %.1fs (the client has seen "
+                     "nothing yet)", self.provider, refused.backoff.cause, refused.pause)
+            await asyncio.sleep(refused.pause + _PAUSE_MARGIN)
+
+    async def _connect_upstream(self) -> web.StreamResponse | _Retry | None:
+        headers = self._upstream_headers()
+        protocols = _protocols(self.request.headers)
+        compress = 15 if "permessage-deflate" in self.request.headers.get("Sec-WebSocket-Extensions", "") else 0
+        session = self.state.upstreams.websocket_session_for(self.settings)
+        expect_upgrade()
+        sent_at = time.time()
+        try:
+            self.upstream = await session.ws_connect(
+                self.url, headers=headers, protocols=protocols, compress=compress, autoping=True,
+                max_msg_size=0, decode_text=False, timeout=aiohttp.ClientWSTimeout(ws_close=_CLOSE_WAIT),
+                ssl=self.settings.tls_verify)
+        except aiohttp.WSServerHandshakeError as exc:
+            return self._refused(exc, refused_upgrade_body(), sent_at)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.warning("provider=%s WebSocket upgrade could not reach the upstream (%s): answered 426",
+                        self.provider, _reason(exc))
+            raise WebSocketUnsupported(f"the upstream of provider '{self.provider}' could not be reached for a "
+                                       "WebSocket upgrade: use HTTP") from exc
+        return None
+
+    def _upstream_headers(self) -> CIMultiDict[str]:
+        strip = self.state.strip_headers | self.consumed | _HANDSHAKE_HEADERS
+        return forward_request_headers(self.request.headers, strip=strip,
+                                       auth=self.state.upstreams.auth(self.settings, self.key))
+
+    def _refused(self, exc: aiohttp.WSServerHandshakeError, body: bytes,
+                 sent_at: float) -> web.StreamResponse | _Retry:
+        """An upstream that answered the upgrade with something else than a WebSocket."""
+        status = exc.status
+        headers: Mapping[str, str] = exc.headers or CIMultiDict()
+        if status not in self.settings.backoff_statuses:
+            log.info("provider=%s upstream refused a WebSocket upgrade (%d %s): answered 426", self.provider,
+                     status, exc.message)
+            raise WebSocketUnsupported(f"the upstream of provider '{self.provider}' answered the WebSocket "
+                                       f"upgrade with {status}: use HTTP")
+        readable = readable_body(body, headers.get("Content-Encoding"))
+        backoff = classify_response(status, headers, readable, self.settings.backoff_statuses, time.time())
+        answer = Answer(status=status, body=body,
+                        headers=forward_response_headers(headers, keep_cors=self.request.get(ALLOWED_ORIGIN)
+                                                         is not None))
+        if backoff is None:
+            return answer
+        pause = self._report(backoff, sent_at)
+        return _Retry(answer, backoff, pause)
+
+    async def _accept_client(self) -> web.StreamResponse:
+        upstream = self.upstream
+        assert upstream is not None
+        client = web.WebSocketResponse(
+            protocols=(upstream.protocol,) if upstream.protocol else (), autoping=True,
+            compress="permessage-deflate" in self.request.headers.get("Sec-WebSocket-Extensions", ""),
+            max_msg_size=self.state.config.server.max_body, decode_text=False, timeout=_CLOSE_WAIT)
+        if not client.can_prepare(self.request).ok:
+            await upstream.close()
+            raise WebSocketUnsupported("not a valid WebSocket handshake: use HTTP")
+        try:
+            await client.prepare(self.request)
+        except BaseException:
+            await upstream.close()
+            raise
+        self.client = client
+        return client
+
+    # ----- the open socket -------------------------------------------------------------
+
+    async def run(self, client: web.WebSocketResponse) -> web.WebSocketResponse:
+        """Relay frames both ways until either side closes; every slot taken is released exactly once."""
+        upstream = self.upstream
+        assert upstream is not None
+        self.state.open_sockets.opened(self)
+        self.upstream_pump = asyncio.get_running_loop().create_task(self._from_upstream(upstream, client))
+        from_client = asyncio.get_running_loop().create_task(self._from_client(client, upstream))
+        try:
+            # Cancellation point: the client's connection is lost (no close frame: Codex leaves that way), and
+            # the handler is cancelled; the finally below releases what the socket holds.
+            await asyncio.wait((self.upstream_pump, from_client), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            from_client.cancel()
+            self.upstream_pump.cancel()
+            self._end_all(_CLIENT_GONE if not upstream.closed else _UPSTREAM_FAILED)
+            self.state.open_sockets.closed(self)
+            await _quietly(upstream.close(code=_sendable(client.close_code, WSCloseCode.GOING_AWAY)))
+            await _quietly(client.close(code=_sendable(upstream.close_code, WSCloseCode.GOING_AWAY)))
+        return client
+
+    async def _from_client(self, client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse[bool]) \
+            -> None:
+        while True:
+            message = await client.receive()
+            kind = message.type
+            if kind is WSMsgType.TEXT:
+                data: bytes = message.data
+                if _is_create(data) and not await self._take_slot(client, data):
+                    continue
+                await upstream.send_frame(data, WSMsgType.TEXT)
+            elif kind is WSMsgType.BINARY:
+                await upstream.send_frame(message.data, WSMsgType.BINARY)
+            else:  # CLOSE (answered by aiohttp), CLOSED, ERROR: the client is gone
+                self._end_all(_CLIENT_GONE)
+                await _quietly(upstream.close(code=_sendable(client.close_code, WSCloseCode.GOING_AWAY),
+                                              message=(message.extra or "").encode()[:123]
+                                              if kind is WSMsgType.CLOSE else b""))
+                return
+
+    async def _take_slot(self, client: web.WebSocketResponse, frame: bytes) -> bool:
+        """Wait for this response's slot; False (and an ``error`` frame to the client) when it gets none."""
+        if self.state.shutting_down or self.closing_after_responses:
+            await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0))
+            return False
+        priority = self._frame_priority(frame)
+        model = frame_model(frame) if self.settings.models else None
+        self.state.request_started()
+        try:
+            lease = await self.state.backend.acquire(self.provider, priority, model=model, key=self.key)
+        except (QueueFull, QueueTimeout, ShuttingDown) as exc:
+            self.state.request_finished()
+            await self._refuse(client, exc)
+            return False
+        except BaseException:
+            self.state.request_finished()
+            raise
+        self.state.observe_grant(self.provider, lease)
+        self._start(lease)
+        return True
+
+    def _frame_priority(self, frame: bytes) -> Priority:
+        """The handshake's workspace, star and conversation; the prompt start of this response's own turn."""
+        if self.prompt_from_handshake:
+            return self.priority
+        now = time.time()
+        started = body_turn_started_at(frame, now) or now
+        started = max(started, now - self.state.priority_headers.max_prompt_age)
+        return self.priority._replace(prompt_started_at=started)
+
+    def _start(self, lease: SlotLease) -> None:
+        """The response is in flight: its slot, the idle watch over upstream's data frames, the watchdog."""
+        response = _Response(lease, asyncio.get_running_loop().time())
+        self.in_flight.append(response)
+        if self.watch is None and self.upstream_pump is not None:
+            self.watch = self.state.idle_watch.watch(self.settings.idle_timeout, self.upstream_pump)
+        lease.on_reclaim = self._reclaimed
+        if lease.reclaimed:
+            self._reclaimed()
+
+    def _reclaimed(self) -> None:
+        if self.watch is not None:
+            self.watch.fire()
+
+    async def _refuse(self, client: web.WebSocketResponse, error: ProxyError) -> None:
+        """A response that got no slot: an ``error`` event with a status (clients retry on it)."""
+        self.state.metrics.count_request(self.provider, str(error.status))
+        frame: dict[str, Any] = {"type": "error", "status": error.status, **error.body()}
+        if error.retry_after is not None:
+            frame["retry_after_seconds"] = max(1, int(error.retry_after + 0.999))
+        await client.send_frame(json.dumps(frame).encode(), WSMsgType.TEXT)
+
+    async def _from_upstream(self, upstream: aiohttp.ClientWebSocketResponse[bool],
+                             client: web.WebSocketResponse) -> None:
+        now = asyncio.get_running_loop().time
+        try:
+            while True:
+                message = await upstream.receive()
+                kind = message.type
+                if kind is WSMsgType.TEXT:
+                    data: bytes = message.data
+                    if self.watch is not None:
+                        self.watch.touch(now())
+                    await client.send_frame(data, WSMsgType.TEXT)
+                    if self.in_flight:
+                        self._note_event(data)
+                elif kind is WSMsgType.BINARY:
+                    if self.watch is not None:
+                        self.watch.touch(now())
+                    await client.send_frame(message.data, WSMsgType.BINARY)
+                else:
+                    self._upstream_closed(message.extra or (f"close code {message.data}" if kind is WSMsgType.CLOSE
+                                                            else "connection lost"))
+                    await _quietly(client.close(code=_sendable(upstream.close_code, WSCloseCode.INTERNAL_ERROR),
+                                                message=(message.extra or "").encode()[:123]
+                                                if kind is WSMsgType.CLOSE else b""))
+                    return
+        except asyncio.CancelledError:
+            if self.watch is None or not self.watch.absorbed():
+                raise
+            await self._timed_out(upstream, client)
+
+    def _upstream_closed(self, why: str) -> None:
+        if self.in_flight:
+            log.warning("provider=%s upstream closed the WebSocket (%s) with %d response(s) in flight",
+                        self.provider, why, len(self.in_flight))
+        self._end_all(_UPSTREAM_FAILED)
+
+    async def _timed_out(self, upstream: aiohttp.ClientWebSocketResponse[bool],
+                         client: web.WebSocketResponse) -> None:
+        reclaimed = any(response.lease.reclaimed for response in self.in_flight)
+        what = "slot_timeout" if reclaimed else "idle_timeout"
+        log.warning("provider=%s %s fired on a WebSocket response; both sockets closed (1011)", self.provider, what)
+        self._end_all(_TIMED_OUT)
+        await _quietly(upstream.close(code=WSCloseCode.INTERNAL_ERROR, message=what.encode()))
+        await _quietly(client.close(code=WSCloseCode.INTERNAL_ERROR, message=what.encode()))
+
+    def _note_event(self, data: bytes) -> None:
+        """Read an event for what the relay needs: the end of the response in flight, and rate-limit signals."""
+        kind = _event_type(data)
+        if kind is None or kind not in _TERMINAL:
+            return
+        try:
+            document = json.loads(data)
+        except (ValueError, RecursionError):
+            document = None
+        status = _COMPLETED
+        if isinstance(document, dict):
+            backoff = event_backoff(document)
+            if backoff is not None:
+                self._report(backoff, self.in_flight[0].lease.granted_at)
+            stated = document.get("status")
+            if kind == b"error" and isinstance(stated, int) and 400 <= stated <= 599:
+                status = stated
+        self._end_first(status)
+
+    def _report(self, backoff: Backoff, sent_at: float) -> float:
+        """Report a backoff to what was sent at ``sent_at`` (the same-burst rule); returns the pause it calls
+        for (what a retried handshake waits)."""
+        self.state.metrics.backoffs.labels(self.provider, backoff.cause).inc()
+        self.state.backend.report_backoff(
+            self.provider, backoff.cause, backoff.wait, sent_at,
+            reduce=backoff.status in self.settings.reduce_statuses, key=self.key)
+        if backoff.wait is not None:
+            return backoff.wait
+        reduces = backoff.status in self.settings.reduce_statuses
+        return self.settings.default_pause if reduces else self.settings.overload_pause
+
+    # ----- ending responses ----------------------------------------------------------------
+
+    def _end_first(self, status: int) -> None:
+        response = self.in_flight.popleft()
+        self._end(response, status)
+        if not self.in_flight:
+            self._unwatch()
+            if self.closing_after_responses and self.client is not None:
+                asyncio.get_running_loop().create_task(_quietly(self.client.close(code=WSCloseCode.GOING_AWAY)))
+
+    def _end_all(self, status: int) -> None:
+        while self.in_flight:
+            self._end(self.in_flight.popleft(), status)
+        self._unwatch()
+
+    def _end(self, response: _Response, status: int) -> None:
+        lease = response.lease
+        lease.on_reclaim = None
+        lease.release()
+        self.state.request_finished()
+        self.state.metrics.count_request(self.provider, str(status))
+
+    def _unwatch(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+
+    def shutdown(self) -> None:
+        """Graceful shutdown: close now when no response is in flight, else after the last one ends."""
+        self.closing_after_responses = True
+        if not self.in_flight and self.client is not None:
+            asyncio.get_running_loop().create_task(_quietly(self.client.close(code=WSCloseCode.GOING_AWAY)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Retry:
+    """A backoff answer to the upgrade: retried after ``pause`` while retries are left, else relayed."""
+
+    answer: web.StreamResponse
+    backoff: Backoff
+    pause: float
+
+
+def _is_create(frame: bytes) -> bool:
+    if _CREATE not in frame[:256]:
+        return False
+    kind = _event_type(frame)
+    return kind == _CREATE
+
+
+def _event_type(frame: bytes) -> bytes | None:
+    """An event's ``type``, read from the frame's opening where every provider writes it; a frame that puts
+    it elsewhere is parsed only when it names a type the relay acts on."""
+    match = _TYPE_AT_START.match(frame)
+    if match is not None:
+        return match.group(1)
+    if not any(name in frame for name in (*_TERMINAL, _CREATE)):
+        return None
+    try:
+        document = json.loads(frame)
+    except (ValueError, RecursionError):
+        return None
+    kind = document.get("type") if isinstance(document, dict) else None
+    return kind.encode() if isinstance(kind, str) else None
+
+
+def _protocols(headers: Mapping[str, str]) -> tuple[str, ...]:
+    raw = headers.get("Sec-WebSocket-Protocol", "")
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def _sendable(code: int | None, fallback: int) -> int:
+    """A close code that may go in a close frame (1005, 1006 and 1015 only describe a close)."""
+    if code is None or code in _UNSENDABLE_CLOSE_CODES or not (1000 <= code <= 4999):
+        return fallback
+    return code
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "connect_timeout"
+    return str(exc) or exc.__class__.__name__
+
+
+async def _quietly(closing: Any) -> None:
+    """A close on the way out: the other side may be gone already."""
+    try:
+        await closing
+    except (TimeoutError, ConnectionError, RuntimeError, aiohttp.ClientError):
+        return
