@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import aiohttp
 import pytest
 
 from proxy.admin import history
@@ -226,11 +229,11 @@ async def test_queue_table_lists_waiters_in_admission_order(start_upstream, star
     assert (seen["queued"], seen["inFlight"], seen["images"]) == ("2", "1", 0)
     # Starred first although it arrived second: the proxy's admission order.
     (first, second) = seen["rows"]
-    position, workspace, star, age, waited, conversation = first
-    assert (position, workspace, conversation) == ("1", "release-team", "conv-7")
+    position, workspace, star, age, waited, via, conversation = first
+    assert (position, workspace, via, conversation) == ("1", "release-team", "HTTP", "conv-7")
     assert "★" in star
     assert re.fullmatch(r"\d\.\d s", age) and re.fullmatch(r"\d\.\d s", waited), (age, waited)
-    assert second[:3] == ["2", hostile, ""] and second[5] == "—"
+    assert second[:3] == ["2", hostile, ""] and second[5:] == ["HTTP", "—"]
     assert await page.evaluate("window.__pwned") is None
 
     for response in await asyncio.gather(holder, plain, starred):
@@ -449,3 +452,125 @@ async def test_history_charts_draw_the_last_minutes_and_fetch_one_at_a_time(
     await shot("1-charts")
 
     assert await most_at_once(page, "**/_slotproxy/history", delay=0.6, what="two slow history fetches") == 1
+
+
+RESPONSE_CREATE = json.dumps({"type": "response.create", "model": "m"})
+TERMINAL = {"response.completed", "response.failed", "response.incomplete", "error"}
+
+
+async def response_events(ws: Any) -> list[str]:
+    """The event types of one response on a socket, up to its terminal event."""
+    types: list[str] = []
+    while not types or types[-1] not in TERMINAL:
+        message = await asyncio.wait_for(ws.receive(), timeout=10)
+        assert message.type == aiohttp.WSMsgType.TEXT, message
+        types.append(json.loads(message.data)["type"])
+    return types
+
+
+async def test_open_websockets_show_on_the_card_and_go_when_closed(
+    start_upstream, start_proxy, client, page, shot
+) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=3))
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    sockets = card.locator('[data-field="websockets"]')
+    await expect(card.locator('[data-field="in-flight"]')).to_have_text("0")
+    await expect(sockets).to_be_hidden()
+    assert proxy.status()["websockets"] == 0
+
+    url = f"{proxy.url}/openai/responses"
+    first = await client.ws_connect(url)
+    second = await client.ws_connect(url)
+    try:
+        await first.send_str(RESPONSE_CREATE)  # a real response on one of them, relayed whole
+        assert (await response_events(first))[-1] == "response.completed"
+        await wait_until(lambda: proxy.status()["websockets"] == 2, what="two sockets open")
+        await expect(sockets).to_be_visible()
+        await expect(sockets).to_have_text("2 WebSockets open")
+        await expect(card.locator('[data-field="in-flight"]')).to_have_text("0")
+        await shot("1-two-open")
+
+        await first.close()
+        await wait_until(lambda: proxy.status()["websockets"] == 1, what="one socket closed")
+        await expect(sockets).to_have_text("1 WebSocket open")
+    finally:
+        await first.close()
+        await second.close()
+    await wait_until(lambda: proxy.status()["websockets"] == 0, what="both sockets closed")
+    await expect(sockets).to_be_hidden()
+    assert "WebSocket" not in (await card.inner_text())
+    await shot("2-closed")
+
+
+async def test_queue_table_shows_whether_each_waiter_came_by_http_or_websocket(
+    start_upstream, start_proxy, client, page, shot
+) -> None:
+    upstream = await start_upstream(chunks=1, delay_ms=1)
+    proxy = await start_proxy(provider_yaml(upstream, limit=1))
+    url = f"{proxy.url}/openai"
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+
+    # A long HTTP stream holds the one slot; a response.create on a socket and an HTTP request wait behind it.
+    holder = asyncio.create_task(client.post(f"{url}/chat/completions", json=chat(),
+                                             headers={"x-fake-stall-ms": "2500"}))
+    await wait_until(lambda: proxy.status()["in_flight"] == 1, what="the holder to take the slot")
+    ws = await client.ws_connect(f"{url}/responses", headers={"X-Workspace-Id": "codex-session"})
+    try:
+        await ws.send_str(RESPONSE_CREATE)
+        await wait_until(lambda: proxy.status()["queued"] == 1, what="the socket's response to wait")
+        waiter = asyncio.create_task(client.post(f"{url}/chat/completions", json=chat(),
+                                                 headers={"X-Workspace-Id": "http-client"}))
+        await wait_until(lambda: proxy.status()["queued"] == 2, what="the HTTP request to wait")
+        assert sorted(w["transport"] for w in proxy.status()["queue"]) == ["http", "websocket"]
+
+        rows = card.locator('tbody[data-field="queue"] tr')
+        await expect(rows).to_have_count(2)
+        await expect(card.locator('[data-field="websockets"]')).to_have_text("1 WebSocket open")
+        await shot("1-queued")
+        seen = await card.evaluate("""card => [...card.querySelectorAll('tbody[data-field="queue"] tr')].map(tr => [
+            tr.querySelector('[data-field="workspace"]').textContent,
+            tr.querySelector('[data-field="transport"]').textContent])""")
+        assert sorted(seen) == [["codex-session", "WebSocket"], ["http-client", "HTTP"]]
+        assert await card.locator("thead th").nth(5).text_content() == "Via"
+
+        # The holder ends: the socket's response and then the HTTP request get the slot and finish.
+        assert (await response_events(ws))[-1] == "response.completed"
+        for response in await asyncio.gather(holder, waiter):
+            assert response.status == 200
+            await response.read()
+            response.release()
+        await expect(rows).to_have_count(0)
+        await expect(card.locator('[data-field="queue-empty"]')).to_be_visible()
+    finally:
+        await ws.close()
+    await expect(card.locator('[data-field="websockets"]')).to_be_hidden()
+    await shot("2-drained")
+
+
+async def test_an_older_proxy_without_socket_fields_shows_no_sockets_and_a_dash(
+    start_upstream, start_proxy, page
+) -> None:
+    """A status without ``websockets`` or ``transport`` (a proxy before the WebSocket relay)."""
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=1))
+
+    async def older(route: Any) -> None:
+        response = await route.fetch()
+        body = await response.json()
+        for provider in body["providers"]:
+            provider.pop("websockets", None)
+            provider["queued"] = 1
+            provider["queue"] = [{"workspace": "old-client", "starred": False, "conversation": None,
+                                  "prompt_started_at": int(time.time() * 1000), "waited_ms": 100}]
+        await route.fulfill(response=response, json=body)
+
+    await page.route("**/_slotproxy/status", older)
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    await expect(card.locator('tbody[data-field="queue"] tr')).to_have_count(1)
+    await expect(card.locator('[data-field="transport"]')).to_have_text("—")
+    await expect(card.locator('[data-field="workspace"]')).to_have_text("old-client")
+    await expect(card.locator('[data-field="websockets"]')).to_be_hidden()
