@@ -1,4 +1,4 @@
-"""The ``slotproxy`` command line: serve, check, status, fake-upstream, demo, schema."""
+"""The ``slotproxy`` command line: serve, check, status, fake-upstream, demo, clients, schema."""
 
 from __future__ import annotations
 
@@ -157,7 +157,8 @@ def cmd_fake_upstream(args: argparse.Namespace) -> int:
 
     fake_upstream.run(port=args.port, cap=args.cap, chunks=args.chunks, delay_ms=args.delay_ms, lag_ms=args.lag_ms,
                       key_limit=args.key_limit, window_requests=args.window_requests,
-                      window_seconds=args.window_seconds, unified=args.unified)
+                      window_seconds=args.window_seconds, unified=args.unified, websocket=args.websocket,
+                      ws_refuse_429=args.ws_refuse_429)
     return 0
 
 
@@ -165,6 +166,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
     return demo.main(args)
+
+
+def cmd_clients(args: argparse.Namespace) -> int:
+    from . import clients
+
+    config = _load(find_config(args.config))
+    try:
+        url = clients.normalize_url(args.url) if args.url else clients.default_url(config)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    print(clients.render(config, url, args.agent), end="")
+    return 0
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -205,6 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser = commands.add_parser("demo", help="watch a fleet of agents share a capped fake provider")
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=cmd_demo)
+
+    agents = ("claude-code", "codex", "openai-sdk", "anthropic-sdk", "aider", "env")
+    clients_parser = commands.add_parser("clients", help="print what each agent needs to use the proxy")
+    clients_parser.add_argument("--config", help=f"config file (default: ${CONFIG_ENV}, else ./{DEFAULT_CONFIG})")
+    clients_parser.add_argument("--url", help="the proxy's base URL as the agents reach it (default: built from "
+                                "server.host and server.port, 0.0.0.0 and :: as 127.0.0.1)")
+    clients_parser.add_argument("--agent", choices=agents,
+                                help="print only this agent's guide (default: every agent's, each under a heading)")
+    clients_parser.set_defaults(func=cmd_clients)
 
     schema = commands.add_parser("schema", help="print the config's JSON Schema")
     schema.set_defaults(func=cmd_schema)

@@ -6,10 +6,11 @@ only slot: so the snippet's request waits in the queue, where its priority
 headers show in the status, and then streams its answer once the slot frees.
 Shell snippets are run too: curl (or, without curl, the same request with
 urllib), and the ``export`` lines of the tool guides, whose URLs and header
-values are then used the way the tools use them. The Codex ``config.toml`` is
-parsed and its provider exercised with its headers. LiteLLM runs when it is
-installed; otherwise its call is checked statically and the same request is
-made directly.
+values are then used the way the tools use them. Both Codex ``config.toml``
+forms are parsed and the request Codex makes with each is sent, headers and
+all. LiteLLM and aider run when they are installed; otherwise the request they
+make is made directly. (tests/test_clients_command.py holds each guide to the
+output of ``slotproxy clients``.)
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ def test_the_section_sits_right_after_quick_start_and_covers_each_client() -> No
     assert headings[headings.index("Quick start") + 1] == "Using it with your agents"
     text = section()
     for needle in ("default_headers", "ANTHROPIC_BASE_URL", "OPENAI_BASE_URL", "Claude Code", "Codex CLI",
-                   "LiteLLM", "api_base", "curl"):
+                   "openai_base_url", "aider", "OPENAI_API_BASE", "LiteLLM", "api_base", "curl"):
         assert needle in text, needle
     assert {b.lang for b in blocks()} == {"python", "sh", "toml"}
     assert len(blocks("python")) == 3
@@ -295,10 +296,12 @@ def test_curl_snippet_parses_the_same_without_curl() -> None:
 
 
 async def _exported(snippet: str) -> dict[str, str]:
-    """The variables the snippet's ``export`` lines set, evaluated by bash (other lines are the tool)."""
-    exports = [line for line in snippet.splitlines() if line.startswith("export ")]
-    tools = [line for line in snippet.splitlines() if line and not line.startswith("export ")]
-    assert exports and all(re.fullmatch(r"[a-z]+", tool) for tool in tools), tools
+    """The variables the snippet's ``export`` lines set, evaluated by bash (comments aside, other lines run
+    the tool)."""
+    lines = [line for line in snippet.splitlines() if line and not line.startswith("#")]
+    exports = [line for line in lines if line.startswith("export ")]
+    tools = [line for line in lines if not line.startswith("export ")]
+    assert exports and all(re.fullmatch(r"[a-z]+( [-a-z0-9/.]+)*", tool) for tool in tools), tools
     names = [line.split()[1].split("=")[0] for line in exports]
     script = "\n".join(exports) + "\n" + "".join(f'printf "%s\\0" "${name}"\n' for name in names)
     bash = shutil.which("bash") or "/bin/bash"
@@ -308,10 +311,17 @@ async def _exported(snippet: str) -> dict[str, str]:
     return dict(zip(names, out.decode().split("\0")[:-1], strict=True))
 
 
+def _tool_line(snippet: str) -> str:
+    (line,) = [line for line in snippet.splitlines() if line and not line.startswith(("#", "export "))]
+    return line
+
+
 async def test_claude_code_env_reaches_the_proxy_with_its_custom_headers(stage: Stage) -> None:
     """ANTHROPIC_BASE_URL is used as the Anthropic SDK uses it (Claude Code is built on it), and
     ANTHROPIC_CUSTOM_HEADERS is read as Claude Code documents it: one ``Name: Value`` per line."""
-    exported = await _exported(stage.rewrite(sh_block("ANTHROPIC_BASE_URL")))
+    snippet = stage.rewrite(sh_block("ANTHROPIC_CUSTOM_HEADERS"))
+    assert _tool_line(snippet) == "claude"
+    exported = await _exported(snippet)
     assert exported["ANTHROPIC_BASE_URL"] == f"{stage.proxy.url}/anthropic"
     lines = exported["ANTHROPIC_CUSTOM_HEADERS"].split("\n")
     custom = {name.strip(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
@@ -333,42 +343,99 @@ async def test_claude_code_env_reaches_the_proxy_with_its_custom_headers(stage: 
     assert_stripped(stage)
 
 
-async def test_openai_base_url_env_reaches_the_proxy(stage: Stage) -> None:
+async def test_the_env_exports_reach_the_proxy(stage: Stage) -> None:
     exported = await _exported(stage.rewrite(sh_block("OPENAI_BASE_URL")))
-    assert exported == {"OPENAI_BASE_URL": f"{stage.proxy.url}/openai"}
-    lines = [
+    openai_url = f"{stage.proxy.url}/openai"
+    assert exported == {"OPENAI_BASE_URL": openai_url, "OPENAI_API_BASE": openai_url,
+                        "ANTHROPIC_BASE_URL": f"{stage.proxy.url}/anthropic"}
+    openai_lines = [
         "from openai import OpenAI",
         "client = OpenAI()",  # base URL and key from the environment
         "reply = client.chat.completions.create(model='gpt-4o-mini', messages=[{'role': 'user', 'content': 'hi'}])",
         "print(reply.choices[0].message.content)",
     ]
-    code = "\n".join(lines)
-    entry, (rc, out, err) = await stage.queued_entry("openai", run_python(code, exported | {"OPENAI_API_KEY": KEY}))
-    assert rc == 0, err
-    assert out.startswith("tok0")
-    assert (entry["workspace"], entry["starred"]) == ("default", False)  # no headers: the defaults
+    anthropic_lines = [
+        "import anthropic",
+        "client = anthropic.Anthropic()",  # base URL and key from the environment
+        "message = client.messages.create(model='claude-sonnet-4-5', max_tokens=64,",
+        "                                 messages=[{'role': 'user', 'content': 'hi'}])",
+        "print(message.content[0].text)",
+    ]
+    env = exported | {"OPENAI_API_KEY": KEY, "ANTHROPIC_API_KEY": KEY}
+    for provider, lines in (("openai", openai_lines), ("anthropic", anthropic_lines)):
+        code = "\n".join(lines)
+        entry, (rc, out, err) = await stage.queued_entry(provider, run_python(code, env))
+        assert rc == 0, err
+        assert out.startswith("tok0")
+        assert (entry["workspace"], entry["starred"]) == ("default", False)  # no headers: the defaults
 
 
-async def test_codex_provider_config_points_at_the_proxy_with_priority_headers(stage: Stage) -> None:
-    (block,) = blocks("toml")
-    config = tomllib.loads(stage.rewrite(block.code))
-    provider = config["model_providers"][config["model_provider"]]
-    assert provider["base_url"] == f"{stage.proxy.url}/openai"
-    assert provider["env_key"] == "OPENAI_API_KEY"
-    static, from_env = provider["http_headers"], provider["env_http_headers"]
-    assert set(map(str.lower, static | from_env)) <= PRIORITY_HEADERS
-    assert all(re.fullmatch(r"[A-Z][A-Z0-9_]*", name) for name in from_env.values())
-    # The headers Codex would send with SLOTPROXY_STARRED=1, on a request to the provider's base_url.
-    headers = static | {name: "1" for name in from_env} | {"Authorization": f"Bearer {KEY}"}
-    body = {"model": "gpt-4o-mini", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+async def test_aider_env_reaches_the_proxy(stage: Stage) -> None:
+    """aider (through LiteLLM) sends ``openai/<model>`` to ``$OPENAI_API_BASE/chat/completions`` as ``<model>``."""
+    snippet = stage.rewrite(sh_block("aider "))
+    exported = await _exported(snippet)
+    assert exported == {"OPENAI_API_BASE": f"{stage.proxy.url}/openai"}
+    words = _tool_line(snippet).split()
+    assert words[:2] == ["aider", "--model"] and words[2].startswith("openai/"), words
+    body = {"model": words[2].removeprefix("openai/"), "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]}
 
     async def send() -> str:
-        async with stage.session.post(provider["base_url"] + "/chat/completions", json=body,
-                                      headers=headers) as response:
+        async with stage.session.post(exported["OPENAI_API_BASE"] + "/chat/completions", json=body,
+                                      headers={"Authorization": f"Bearer {KEY}"}) as response:
             assert response.status == 200
             return await response.text()
 
     entry, out = await stage.queued_entry("openai", send())
     assert "data: [DONE]" in out
+    assert entry["workspace"] == "default"
+
+
+def _codex_configs() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The two ``~/.codex/config.toml`` forms: the built-in provider's base URL, and a provider of one's own."""
+    configs = [tomllib.loads(block.code) for block in blocks("toml")]
+    (builtin,) = [config for config in configs if "openai_base_url" in config]
+    (custom,) = [config for config in configs if "model_providers" in config]
+    return builtin, custom
+
+
+async def _codex_request(stage: Stage, base_url: str, headers: dict[str, str]) -> tuple[dict[str, Any], str]:
+    """What Codex sends over HTTP (its fallback from the WebSocket): a streamed Responses API request."""
+    body = {"model": "gpt-5-codex", "stream": True, "input": [{"role": "user", "content": "hi"}]}
+
+    async def send() -> str:
+        async with stage.session.post(base_url + "/responses", json=body, headers=headers) as response:
+            assert response.status == 200
+            return await response.text()
+
+    entry, out = await stage.queued_entry("openai", send())
+    assert "response.completed" in out
+    return entry, out
+
+
+async def test_codex_builtin_provider_config_points_at_the_proxy(stage: Stage) -> None:
+    builtin, _ = _codex_configs()
+    assert builtin == {"openai_base_url": f"{DOC_URL}/openai"}  # one key: Codex 0.171 ignores OPENAI_BASE_URL
+    (block,) = [b.code for b in blocks("toml") if "openai_base_url =" in b.code]
+    assert f'codex -c openai_base_url="{DOC_URL}/openai"' in block
+    url = tomllib.loads(stage.rewrite(block))["openai_base_url"]
+    entry, _ = await _codex_request(stage, url, {"Authorization": f"Bearer {KEY}"})
+    assert (entry["workspace"], entry["starred"]) == ("default", False)
+
+
+async def test_codex_provider_config_points_at_the_proxy_with_priority_headers(stage: Stage) -> None:
+    _, config = _codex_configs()
+    provider = config["model_providers"][config["model_provider"]]
+    assert provider["base_url"] == f"{DOC_URL}/openai"
+    assert provider["env_key"] == "OPENAI_API_KEY"
+    assert provider["wire_api"] == "responses"
+    assert provider["supports_websockets"] is True
+    assert provider["name"] != "OpenAI"  # that name would make Codex treat it as its built-in provider
+    static, from_env = provider["http_headers"], provider["env_http_headers"]
+    assert set(map(str.lower, static | from_env)) <= PRIORITY_HEADERS
+    assert all(re.fullmatch(r"[A-Z][A-Z0-9_]*", name) for name in from_env.values())
+    # The headers Codex would send with SLOTPROXY_STARRED=1, on a request to the provider's base_url.
+    headers = static | {name: "1" for name in from_env} | {"Authorization": f"Bearer {KEY}"}
+    entry, _ = await _codex_request(stage, stage.rewrite(provider["base_url"]), headers)
     assert (entry["workspace"], entry["starred"]) == ("web-app", True)
     assert_stripped(stage)
