@@ -10,7 +10,10 @@ Everything runs in this event loop on 127.0.0.1 (no network, no keys):
   to ``[DONE]`` with a short "tool run" between them. Agents differ in
   workspace (``X-Workspace-Id``), star (``X-Workspace-Starred: 1``) and prompt
   age (``X-Prompt-Started-At``): some resume prompts that began many minutes
-  ago, the rest start fresh prompts as they go.
+  ago, the rest start fresh prompts as they go. One agent in three works as
+  Codex does: one WebSocket for its whole session (``/responses``), a
+  ``response.create`` frame per turn carrying the turn's start in its
+  ``client_metadata``, read to the response's last event.
 
 While it runs, a live view (redrawn 4x a second on a terminal, a line every few
 seconds otherwise) shows the provider's limit, in-flight, queue and 429s. At the
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import random
@@ -49,6 +53,8 @@ STARRED_WORKSPACE = "release-team"
 WORKSPACES = ("web-app", "data-pipeline", "docs-site", "infra")
 # One role per agent index, cycling: about 1 in 8 starred, 1 in 4 resuming an old prompt.
 ROLES = ("starred", "new", "old", "new", "new", "old", "new", "new")
+WEBSOCKET_EVERY = 3  # one agent in this many talks over a WebSocket, as Codex does
+WS_TERMINAL = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
 OLD_PROMPT_AGE = 60.0  # seconds: a prompt older than this counts as "old" in the summary
 CHUNKS = 8
 DELAY_MS = 40.0
@@ -91,6 +97,8 @@ class Agent:
     index: int
     role: str  # "starred", "old" or "new"
     workspace: str
+    websocket: bool = False
+    """Codex-style: one WebSocket for the session, a ``response.create`` frame per turn."""
 
     @property
     def name(self) -> str:
@@ -106,7 +114,7 @@ def make_fleet(count: int) -> list[Agent]:
     for index in range(count):
         role = ROLES[index % len(ROLES)]
         workspace = STARRED_WORKSPACE if role == "starred" else WORKSPACES[index % len(WORKSPACES)]
-        fleet.append(Agent(index, role, workspace))
+        fleet.append(Agent(index, role, workspace, websocket=index % WEBSOCKET_EVERY == WEBSOCKET_EVERY - 1))
     return fleet
 
 
@@ -116,8 +124,9 @@ class Outcome:
 
     starred: bool
     old: bool
-    queue_ms: int  # X-Slotproxy-Queue-Ms (0 without the proxy)
+    queue_ms: int  # X-Slotproxy-Queue-Ms (0 without the proxy); over a WebSocket, the wait for the first event
     backoff_ms: int  # time spent sleeping after 429s before the answer
+    websocket: bool = False
 
 
 @dataclass
@@ -155,6 +164,7 @@ class Fleet:
     def __init__(self, options: DemoOptions, base_url: str, started_at: float) -> None:
         self.options = options
         self.url = f"{base_url}/chat/completions"
+        self.socket_url = f"{base_url}/responses"
         self.started_at = started_at  # epoch seconds
         self.agents = make_fleet(options.agents)
         self.tally = Tally()
@@ -173,13 +183,31 @@ class Fleet:
         # Start the agents spread over the first half second, as a real fleet would.
         if not await self._pause(rng.uniform(0, 0.5)):
             return
+        socket = None
+        if agent.websocket:
+            try:
+                socket = await session.ws_connect(self.socket_url, headers=self._socket_headers(agent))
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.tally.error(f"WebSocket: {type(exc).__name__}: {exc}")
+                return
+        try:
+            await self._turns(session, socket, agent, rng)
+        finally:
+            if socket is not None:
+                await socket.close()
+
+    async def _turns(self, session: aiohttp.ClientSession, socket: aiohttp.ClientWebSocketResponse | None,
+                     agent: Agent, rng: random.Random) -> None:
         prompt_started = self.started_at - rng.uniform(5 * 60, 30 * 60) if agent.role == "old" else 0.0
         turns_left = 0
         while not self.stop.is_set():
             if agent.role != "old" and turns_left <= 0:
                 prompt_started, turns_left = time.time(), rng.randint(*TURNS_PER_PROMPT)
             turns_left -= 1
-            await self.request(session, agent, prompt_started, rng)
+            if socket is None:
+                await self.request(session, agent, prompt_started, rng)
+            elif not await self.respond(socket, agent, prompt_started, rng):
+                return
             if not await self._pause(rng.uniform(*THINK)):
                 return
 
@@ -193,6 +221,50 @@ class Fleet:
         if agent.starred:
             headers["X-Workspace-Starred"] = "1"
         return headers
+
+    def _socket_headers(self, agent: Agent) -> dict[str, str]:
+        """Codex's handshake: its session id; the prompt start travels in each frame, not here."""
+        headers = {"Authorization": "Bearer sk-demo-not-a-real-key", "X-Workspace-Id": agent.workspace,
+                   "session-id": agent.name, "OpenAI-Beta": "responses_websockets=2026-02-06"}
+        if agent.starred:
+            headers["X-Workspace-Starred"] = "1"
+        return headers
+
+    async def respond(self, socket: aiohttp.ClientWebSocketResponse, agent: Agent, prompt_started: float,
+                      rng: random.Random) -> bool:
+        """One turn over the agent's WebSocket; False when the socket is gone."""
+        turn = json.dumps({"turn_id": f"{agent.name}-{int(prompt_started * 1000)}",
+                           "turn_started_at_unix_ms": int(prompt_started * 1000)})
+        frame = json.dumps({"type": "response.create", "model": "fake-model", "user": agent.name,
+                            "input": [{"role": "user", "content": f"{agent.name}: next step of the plan"}],
+                            "client_metadata": {"x-codex-turn-metadata": turn}})
+        old = time.time() - prompt_started >= OLD_PROMPT_AGE
+        backoff = 0.0
+        while True:
+            self.tally.in_flight += 1
+            try:
+                sent = time.monotonic()
+                await socket.send_str(frame)
+                ending, first_ms = await _read_events(socket, sent)
+            except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+                self.tally.error(f"WebSocket: {type(exc).__name__}: {exc}")
+                return False
+            finally:
+                self.tally.in_flight -= 1
+            if ending is None:
+                self.tally.error("WebSocket closed before the response's last event")
+                return False
+            if ending.get("type") != "error" or ending.get("status") != 429:
+                if ending.get("type") != "response.completed":
+                    self.tally.error(f"WebSocket: {json.dumps(ending)[:200]}")
+                    return True
+                self.tally.outcomes.append(Outcome(agent.starred, old, first_ms, round(backoff * 1000), True))
+                return True
+            self.tally.agent_429s += 1
+            wait = _retry_after(ending.get("headers") or {}) * rng.uniform(1.0, 1.25)
+            if not await self._pause(wait):
+                return True
+            backoff += wait
 
     async def request(
         self, session: aiohttp.ClientSession, agent: Agent, prompt_started: float, rng: random.Random
@@ -234,6 +306,21 @@ class Fleet:
             if not await self._pause(wait):
                 return
             backoff += wait
+
+
+async def _read_events(socket: aiohttp.ClientWebSocketResponse, sent: float) -> tuple[dict[str, Any] | None, int]:
+    """Read one response's events to its last; that event (None: the socket closed first) and the ms from
+    sending to the first event (the queue wait, as the agent sees it)."""
+    first_ms = -1
+    while True:
+        message = await socket.receive(timeout=REQUEST_TIMEOUT)
+        if message.type is not aiohttp.WSMsgType.TEXT:
+            return None, first_ms
+        if first_ms < 0:
+            first_ms = round((time.monotonic() - sent) * 1000)
+        event = json.loads(message.data)
+        if isinstance(event, dict) and event.get("type") in WS_TERMINAL:
+            return event, first_ms
 
 
 async def _read_stream(response: aiohttp.ClientResponse) -> bool:
@@ -396,10 +483,13 @@ def _wait_rows(outcomes: list[Outcome], metric: Callable[[Outcome], int]) -> Ite
 def summary(options: DemoOptions, snap: Snapshot, tally: Tally, wall: float) -> str:
     up = snap.upstream
     mode = "with slotproxy" if options.use_proxy else "without a proxy (--no-proxy)"
+    socket_responses = sum(1 for o in tally.outcomes if o.websocket)
+    socket_agents = sum(1 for a in make_fleet(options.agents) if a.websocket)
     lines = [
         "",
         f"slotproxy demo summary: {mode}, {options.agents} agents, {options.duration:g}s (wall {wall:.1f}s)",
         f"  requests completed:        {snap.completed}",
+        f"  over WebSockets:           {socket_responses} (responses, by {socket_agents} Codex-style agents)",
         f"  429s the agents saw:       {snap.agent_429s}",
         f"  429s the upstream sent:    {up['rate_limited']}",
         f"  upstream max concurrency:  {up['max_concurrency']} (cap {up['cap']})",

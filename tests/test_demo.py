@@ -57,6 +57,8 @@ def test_with_the_proxy_agents_see_no_429_and_upstream_reaches_exactly_its_cap(
     assert _field(out, "429s the upstream sent") == "0"
     assert _field(out, "upstream max concurrency") == "3 (cap 3)"
     assert _field(out, "errors") == "0"
+    over_sockets = re.match(r"(\d+) \(responses, by (\d+) Codex-style agents\)", _field(out, "over WebSockets"))
+    assert over_sockets and int(over_sockets.group(1)) > 0 and int(over_sockets.group(2)) > 0, out
     for label in ("starred", "unstarred", "old prompts (unstarred)", "new prompts (unstarred)"):
         row = re.search(rf"^\s+{re.escape(label)}\s+(\d+)\s+(\d+|-)\s+(\d+|-)$", out, re.MULTILINE)
         assert row, f"no queue-wait row for {label!r}:\n{out}"
@@ -72,6 +74,7 @@ def test_without_the_proxy_the_same_fleet_gets_429s(runs: dict[str, subprocess.C
     seen = int(_field(out, "429s the agents saw"))
     assert seen > 0
     assert int(_field(out, "429s the upstream sent")) == seen
+    assert int(_field(out, "over WebSockets").split()[0]) > 0  # Codex-style agents back off on the 429 frames
     assert _field(out, "upstream max concurrency") == "3 (cap 3)"  # the fake refuses past its cap
     assert int(_field(out, "requests completed")) > 0
 
