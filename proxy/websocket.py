@@ -239,7 +239,9 @@ class SocketRelay:
         try:
             # Cancellation point: the client's connection is lost (no close frame: Codex leaves that way), and
             # the handler is cancelled; the finally below releases what the socket holds.
-            await asyncio.wait((self.upstream_pump, from_client), return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait((self.upstream_pump, from_client), return_when=asyncio.FIRST_COMPLETED)
+            for pump in done:
+                _note_failure(pump, self.provider)
         finally:
             from_client.cancel()
             self.upstream_pump.cancel()
@@ -460,6 +462,13 @@ def _event_type(frame: bytes) -> bytes | None:
         return None
     kind = document.get("type") if isinstance(document, dict) else None
     return kind.encode() if isinstance(kind, str) else None
+
+
+def _note_failure(pump: asyncio.Task[None], provider: str) -> None:
+    """A pump that ended on an error: one side's connection broke mid-write (the finally closes both)."""
+    error = None if pump.cancelled() else pump.exception()
+    if error is not None:
+        log.debug("provider=%s WebSocket relay ended: %s", provider, _reason(error))
 
 
 def _protocols(headers: Mapping[str, str]) -> tuple[str, ...]:
