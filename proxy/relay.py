@@ -42,7 +42,7 @@ from .headers import (
 from .idle import Watch
 from .keys import QUEUE_MS_HEADER, STATE, error_response
 from .limiter import Budget, Priority, SlotLease
-from .model_name import request_model
+from .model_name import model_hint, request_model
 from .runtime import ProxyState
 from .signals import Backoff, classify_response, readable_body, stream_scanner
 from .websocket import relay_websocket, wants_websocket
@@ -172,8 +172,8 @@ class Exchange:
         self.priority = priority
         self.needs_slot = request.method in settings.slot_methods
         client_wait = client_wait_limit(request.headers) if self.needs_slot else None
-        self.model = request_model(rest, body) \
-            if self.needs_slot and settings.models else None
+        self.model = None if not self.needs_slot else \
+            request_model(rest, body) if settings.models else model_hint(rest, body)
         self.client_deadline = None if client_wait is None else time.monotonic() + client_wait
         self.response: web.StreamResponse | None = None
         self.queue_ms = 0

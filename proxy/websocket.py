@@ -49,7 +49,7 @@ from .headers import (
 from .idle import Watch
 from .keys import error_response
 from .limiter import Priority, SlotLease
-from .model_name import frame_model
+from .model_name import frame_model, model_hint
 from .runtime import ProxyState
 from .signals import Backoff, classify_response, event_backoff, readable_body
 from .upstreams import expect_upgrade, refused_upgrade_body
@@ -276,7 +276,7 @@ class SocketRelay:
             await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0))
             return False
         priority = self._frame_priority(frame)
-        model = frame_model(frame) if self.settings.models else None
+        model = frame_model(frame) if self.settings.models else model_hint("", frame)
         self.state.request_started()
         try:
             lease = await self.state.backend.acquire(self.provider, priority, model=model, key=self.key)

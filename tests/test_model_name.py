@@ -32,3 +32,16 @@ def test_a_gemini_style_path_names_the_model() -> None:
     assert request_model("v1beta/models/gemini-2.5-pro:streamGenerateContent", b'{"contents":[]}') == \
         "gemini-2.5-pro"
     assert request_model("models/gemini-flash:generateContent", b"") == "gemini-flash"
+
+
+def test_the_model_hint_reads_the_opening_or_the_end_of_a_body_but_never_parses_it() -> None:
+    from proxy.model_name import model_hint
+
+    messages = ", ".join(['{"role": "user", "content": "' + "x" * 500 + '"}'] * 40)
+    assert model_hint("responses", b'{"model": "gpt-5", "input": []}') == "gpt-5"
+    assert model_hint("messages", b'{"max_tokens": 10, "model": "claude-x", "stream": true}') == "claude-x"
+    assert model_hint("messages", f'{{"messages": [{messages}], "model": "last-\\u00e9"}}'.encode()) == "last-\u00e9"
+    assert model_hint("messages", f'{{"messages": [{messages}], "model": "middle", "messages2": [{messages}]}}'
+                      .encode()) is None
+    assert model_hint("v1beta/models/gemini-2.5-pro:generateContent", b"{}") == "gemini-2.5-pro"
+    assert model_hint("chat/completions", b"") is None

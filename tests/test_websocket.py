@@ -105,6 +105,8 @@ async def test_a_second_socket_waits_for_the_first_responses_terminal_event(
         await create(second, tag="second")
         queued = await wait_status(proxy, "second queued", queued=1)
         assert [(w["transport"], w["workspace"]) for w in queued["queue"]] == [("websocket", "default")]
+        assert [(h["transport"], h["model"], h["workspace"]) for h in queued["holders"]] == \
+            [("websocket", "gpt-5", "default")]
         assert queued["websockets"] == 2
         first_events = await until_terminal(first)
         second_events = await until_terminal(second)

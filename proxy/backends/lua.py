@@ -339,7 +339,9 @@ local function grant(id, info, key, now, lease_ttl, channel)
   count_against_budget(key ~= '' and level_hash('k:' .. key) or KEYS[1], now)
   redis.call('ZADD', KEYS[2], now + lease_ttl, id)
   for _, lid in ipairs(levels) do redis.call('ZADD', level_hash(lid) .. ':leases', now + lease_ttl, id) end
-  redis.call('HSET', BASE .. 'lmap', id, cjson.encode({w = info.w, l = levels}))
+  -- who holds it (for the status listing): workspace, levels, conversation, model, key, star, transport, since
+  redis.call('HSET', BASE .. 'lmap', id, cjson.encode({w = info.w, l = levels, c = info.c, md = info.md, k = key,
+    s = string.sub(info.m, 1, 1) == '0', tr = info.tr, t = now}))
   redis.call('HINCRBY', BASE .. 'wsheld', info.w, 1)
   redis.call('HSET', KEYS[7], id, id .. ' ' .. now .. ' ' .. key)
   redis.call('HINCRBY', KEYS[1], 'granted', 1)
@@ -417,7 +419,7 @@ end
 ENQUEUE = _PRELUDE + r"""
 -- ARGV: id, replica, workspace, header_starred, prompt_ms, conversation, seq ('' = new),
 --       lease_ttl, waiter_ttl, max_queue, channel, model cap pattern ('' = none), preferred key ('' = none),
---       pinned key ('' = any key of the pool), transport ('' = http, 'ws' = websocket)
+--       pinned key ('' = any key of the pool), transport ('' = http, 'ws' = websocket), model ('' = none named)
 local now = now_ms()
 cleanup(now)
 local done = redis.call('HGET', KEYS[7], ARGV[1])
@@ -440,6 +442,7 @@ local info = {m = waiter_member(starred, tonumber(ARGV[5]), seq, ARGV[1]), r = A
   cl = waiter_class(ARGV[12], ARGV[3], ARGV[14])}
 if ARGV[14] ~= '' then info.kp = ARGV[14] end
 if ARGV[15] ~= '' then info.tr = ARGV[15] end
+if ARGV[16] ~= '' then info.md = ARGV[16] end
 queue_entry(info)
 redis.call('HSET', KEYS[5], ARGV[1], cjson.encode(info))
 redis.call('ZADD', KEYS[6], now + tonumber(ARGV[9]), ARGV[1])
@@ -680,8 +683,8 @@ return 1
 """
 
 STATS = _PRELUDE + r"""
--- ARGV: queue entries to list. Returns {cfg pairs, leases, cooling, queued, now, queue infos...,
---          levels: {level id, its hash pairs, its leases}...}
+-- ARGV: queue entries (and holders) to list. Returns {cfg pairs, leases, cooling, queued, now, queue infos...,
+--          levels: {level id, its hash pairs, its leases}..., pause end, holders: lmap entries, longest held first}
 local now = now_ms()
 cleanup(now)
 local head = redis.call('ZRANGE', KEYS[4], 0, tonumber(ARGV[1]) - 1)
@@ -697,8 +700,23 @@ for _, lid in ipairs(all_levels()) do
   local hash = level_hash(lid)
   table.insert(levels, {lid, redis.call('HGETALL', hash), redis.call('ZCARD', hash .. ':leases')})
 end
+local holders = {}
+local listed = tonumber(ARGV[1])
+if listed > 0 then
+  local ids = redis.call('ZRANGE', KEYS[2], 0, -1)
+  for first = 1, #ids, 1000 do  -- unpack's arguments are bounded: read the map a thousand at a time
+    local chunk = {}
+    for i = first, math.min(first + 999, #ids) do table.insert(chunk, ids[i]) end
+    for _, raw in ipairs(redis.call('HMGET', BASE .. 'lmap', unpack(chunk))) do
+      if raw then table.insert(holders, cjson.decode(raw)) end
+    end
+  end
+  table.sort(holders, function(a, b) return (a.t or 0) < (b.t or 0) end)
+  for i = #holders, listed + 1, -1 do holders[i] = nil end
+  for i, holder in ipairs(holders) do holders[i] = cjson.encode(holder) end
+end
 return {redis.call('HGETALL', KEYS[1]), redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]),
-        redis.call('ZCARD', KEYS[4]), tostring(now), infos, levels, tostring(pause_end(now))}
+        redis.call('ZCARD', KEYS[4]), tostring(now), infos, levels, tostring(pause_end(now)), holders}
 """
 
 PICK_KEY = _PRELUDE + r"""

@@ -42,6 +42,7 @@ from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit, UnknownP
 from ..limiter import (
     Budget,
     Clock,
+    HolderStatus,
     KeyStatus,
     LimiterSettings,
     LoopClock,
@@ -619,7 +620,7 @@ class RedisBackend:
                 "" if waiter.seq is None else waiter.seq, self._lease_ttl_ms, self._waiter_ttl_ms,
                 settings.max_queue, self._channel, waiter.pattern or "",
                 (self._sticky.get(priority.conversation) or "") if settings.keys else "",
-                waiter.key or "", _TRANSPORT_ARGS.get(priority.transport, ""))
+                waiter.key or "", _TRANSPORT_ARGS.get(priority.transport, ""), (waiter.model or "")[:256])
         result = await self._run("ENQUEUE", waiter.provider, *args)
         if int(result[0]) == _UNCONFIGURED:
             await self._configure_one(waiter.provider)
@@ -918,7 +919,7 @@ class RedisBackend:
             self._snapshot[provider] = self._status_from(provider, result)
 
     def _status_from(self, provider: str, result: list[Any]) -> ProviderStatus:
-        raw, leases, cooling, queued, now_ms, infos, levels, pause_end = result
+        raw, leases, cooling, queued, now_ms, infos, levels, pause_end, held = result
         cfg = _pairs(raw)
         now = int(_text(now_ms))
         paused_until = int(_text(pause_end))
@@ -962,6 +963,7 @@ class RedisBackend:
             keys=keys,
             models=tuple(models),
             budget=_budget_status(cfg, now) if settings.budgets and not settings.pool() else None,
+            holders=tuple(_holder(_json(item), now) for item in held),
         )
 
     def statistics(self, *, queue_detail: bool = True) -> list[ProviderStatus]:
@@ -1084,6 +1086,15 @@ def _key_status(name: str, available: bool, fields: dict[str, str], count: int, 
         notice=fields.get("notice"),
         budget=_budget_status(fields, now) if budgets else None,
     )
+
+
+def _holder(info: dict[str, Any], now: int) -> HolderStatus:
+    """A lease's ``lmap`` entry as a status row (a lease put back after Redis lost its data has no entry)."""
+    granted_at = int(info.get("t") or now)
+    return HolderStatus(workspace=info.get("w") or "default", starred=bool(info.get("s")),
+                        conversation=info.get("c") or None, model=info.get("md") or None, key=info.get("k") or None,
+                        transport=_TRANSPORTS.get(info.get("tr") or "", "http"), granted_at=granted_at,
+                        held_ms=max(0, now - granted_at))
 
 
 def _limit_arg(limit: int | None) -> str:

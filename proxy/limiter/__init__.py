@@ -12,6 +12,7 @@ from .policy import (
 )
 from .provider import (
     AdmissionGate,
+    HolderStatus,
     KeySettings,
     KeyStatus,
     Lease,
@@ -32,6 +33,7 @@ __all__ = [
     "Budget",
     "Clock",
     "FakeClock",
+    "HolderStatus",
     "KeySettings",
     "KeyStatus",
     "Lease",

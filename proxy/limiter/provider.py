@@ -33,6 +33,7 @@ from .watchdog import SlotWatchdog
 
 __all__ = [
     "AdmissionGate",
+    "HolderStatus",
     "KeySettings",
     "KeyStatus",
     "Lease",
@@ -132,12 +133,14 @@ class Lease:
         "granted_at",
         "headers_at",
         "key",
+        "model",
         "on_reclaim",
         "priority",
         "queue_wait",
         "reclaimed",
         "released",
         "seq",
+        "starred",
     )
 
     def __init__(
@@ -153,6 +156,8 @@ class Lease:
         self.released = False
         self.reclaimed = False
         self.key: str | None = None
+        self.model: str | None = None
+        self.starred = priority.starred
         self._levels: tuple[LimitLevel, ...] = ()
         """The key and model levels it holds a slot at, beside the provider's (a reload may drop them
         from the config; the slot is still given back to them)."""
@@ -173,6 +178,25 @@ class WaiterStatus:
     waited_ms: int
     conversation: str | None
     transport: str = "http"
+
+
+@dataclass(frozen=True, slots=True)
+class HolderStatus:
+    """A request holding a slot: who it is, and since when."""
+
+    workspace: str
+    starred: bool
+    conversation: str | None
+    model: str | None
+    key: str | None
+    transport: str
+    granted_at: int
+    held_ms: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"workspace": self.workspace, "starred": self.starred, "conversation": self.conversation,
+                "model": self.model, "key": self.key, "transport": self.transport, "granted_at": self.granted_at,
+                "held_ms": self.held_ms}
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +263,8 @@ class ProviderStatus:
     models: tuple[ModelStatus, ...] = ()
     budget: dict[str, int | None] | None = None
     """With ``budgets`` and no pool, the provider's own budget (it is its one key)."""
+    holders: tuple[HolderStatus, ...] = ()
+    """The requests holding slots, longest held first (the first ``QUEUE_LISTED``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -264,6 +290,7 @@ class ProviderStatus:
                 }
                 for w in self.queue
             ],
+            "holders": [holder.to_dict() for holder in self.holders],
             "usage": self.usage,
             "rejected": {
                 "queue_full": self.counters.get("queue_full", 0),
@@ -358,7 +385,10 @@ class ProviderLimiter:
                 return None
         else:
             key = None
-        return self._grant(priority, self.next_arrival() if seq is None else seq, 0.0, pattern, key)
+        lease = self._grant(priority, self.next_arrival() if seq is None else seq, 0.0, pattern, key)
+        lease.model = model
+        lease.starred = priority.starred or priority.workspace in self._starred
+        return lease
 
     def _pinned_room(self, key: str) -> bool:
         """Whether a waiter pinned to ``key`` may go: the key is in the pool and has a slot free."""
@@ -416,6 +446,7 @@ class ProviderLimiter:
             client_bound=client_bound,
             pattern=pattern,
             key=key if self._pool else None,
+            model=model,
         )
         self._push(waiter)
         if limit is not None and limit > 0:
@@ -617,6 +648,7 @@ class ProviderLimiter:
                 waiter.forget_callbacks()
                 lease = self._grant(waiter.priority, waiter.seq, self._clock.time() - waiter.enqueued_at,
                                     waiter.pattern, key)
+                lease.model, lease.starred = waiter.model, waiter.starred
                 if on_grant is not None:
                     on_grant(lease)
         finally:
@@ -816,7 +848,16 @@ class ProviderLimiter:
             models=tuple(ModelStatus(pattern, cap.limit, cap.configured_limit, cap.in_flight)
                          for pattern, cap in self._models.items()),
             budget=_budget_of(level) if budgets and not self._pool else None,
+            holders=self._holders(now) if queue_detail else (),
         )
+
+    def _holders(self, now: float) -> tuple[HolderStatus, ...]:
+        return tuple(
+            HolderStatus(workspace=lease.priority.workspace, starred=lease.starred,
+                         conversation=lease.priority.conversation, model=lease.model, key=lease.key,
+                         transport=lease.priority.transport, granted_at=_ms(lease.granted_at),
+                         held_ms=_ms(now - lease.granted_at))
+            for lease in itertools.islice(self._active, QUEUE_LISTED))
 
     def _in_order(self, limit: int) -> list[Waiter]:
         if len(self._classes) == 1:

@@ -48,6 +48,8 @@ class Waiter:
     """The model cap its model matched when it came (None: none applies)."""
     key: str | None = None
     """The pool key it must be granted on (a WebSocket's responses go on the key its socket opened with)."""
+    model: str | None = None
+    """The model the request named (shown while it holds its slot)."""
     waiter_class: WaiterClass = None
 
     def forget_callbacks(self) -> None:

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.asyncio
 PROVIDER_FIELDS = {
     "provider", "limit", "configured_limit", "in_flight", "queued", "paused", "paused_until", "cooldown_ms",
     "auto_reduced", "auto_reduced_from", "notice", "queue", "usage", "rejected", "keys", "models", "websockets",
+    "holders",
 }
 
 
@@ -45,6 +46,9 @@ async def test_status_shows_every_field_and_the_queue_in_admission_order(start_u
     assert all(isinstance(w["waited_ms"], int) for w in entry["queue"])
     assert [w["transport"] for w in entry["queue"]] == ["http", "http"]
     assert entry["websockets"] == 0
+    (holding,) = entry["holders"]
+    assert (holding["workspace"], holding["transport"], holding["key"]) == ("default", "http", None)
+    assert holding["held_ms"] >= 0
     for response in await asyncio.gather(holder, *queued):
         await response.read()
         response.release()

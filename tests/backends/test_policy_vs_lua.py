@@ -97,6 +97,7 @@ class Side:
         base_ms = math.floor(self.base * 1000)
         doc["queue"] = [{**w, "prompt_started_at": w["prompt_started_at"] - base_ms, "waited_ms": None}
                         for w in doc["queue"]]
+        doc["holders"] = [{**h, "granted_at": None, "held_ms": None} for h in doc["holders"]]
         doc["counters"] = dict(status.counters)
         for key in doc["keys"]:
             key["paused_until"] = key["paused_until"] is not None

@@ -412,14 +412,20 @@ def test_without_recovery_the_reduction_stays() -> None:
 
 def test_statistics_has_every_status_field() -> None:
     limiter, clock = make(limit=1, release_cooldown=0.25)
-    assert limiter.try_acquire(prio()) is not None
+    assert limiter.try_acquire(Priority(prompt_started_at=T0, workspace="holder", conversation="h1",
+                                        transport="websocket"), model="gpt-5") is not None
     limiter.enqueue(Priority(prompt_started_at=T0 - 5, workspace="ws", conversation="c1"), lambda lease: None)
     clock.advance(1.5)
     data = limiter.statistics().to_dict()
     assert set(data) == {
         "provider", "limit", "configured_limit", "in_flight", "queued", "paused", "paused_until",
-        "cooldown_ms", "auto_reduced", "auto_reduced_from", "notice", "queue", "usage", "rejected", "keys", "models",
+        "cooldown_ms", "auto_reduced", "auto_reduced_from", "notice", "queue", "holders", "usage", "rejected", "keys",
+        "models",
     }
+    assert data["holders"] == [{
+        "workspace": "holder", "starred": False, "conversation": "h1", "model": "gpt-5", "key": None,
+        "transport": "websocket", "granted_at": int(T0 * 1000), "held_ms": 1500,
+    }]
     assert data["cooldown_ms"] == 250
     assert data["queue"] == [{
         "workspace": "ws", "starred": False, "prompt_started_at": int((T0 - 5) * 1000),
