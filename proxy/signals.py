@@ -17,6 +17,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any
 
 from .decoders import StreamDecoder, decoder_for
+from .tokens import USAGE_MARK, UsageReader
 
 __all__ = [
     "MAX_WAIT",
@@ -39,6 +40,8 @@ _MAX_BODY = 1 << 20
 upstream cannot make every backoff cost a multi-megabyte JSON decode."""
 
 _MAX_LINE = 64 * 1024
+_ERROR_MARK = b"error"
+_LONGEST_MARK = len(USAGE_MARK) - 1
 
 _NUMBER = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*")
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)s\s*")
@@ -90,14 +93,16 @@ def readable_body(body: bytes, content_encoding: str | None) -> bytes:
     return b"".join(pieces)[:_MAX_BODY]
 
 
-def stream_scanner(content_encoding: str | None) -> StreamErrorScanner | DecodedStreamScanner | None:
+def stream_scanner(content_encoding: str | None, usage: UsageReader | None = None) \
+        -> StreamErrorScanner | DecodedStreamScanner | None:
     """The scanner for one event stream: plain, or reading a decoded copy of a compressed one
-    (gzip, deflate, br, zstd); None for an encoding it cannot read."""
+    (gzip, deflate, br, zstd); None for an encoding it cannot read. With ``usage``, the lines that
+    carry a usage object are read into it too."""
     encoding = (content_encoding or "").strip().lower()
     if encoding in ("", "identity"):
-        return StreamErrorScanner()
+        return StreamErrorScanner(usage)
     decoder = decoder_for(encoding)
-    return DecodedStreamScanner(decoder) if decoder is not None else None
+    return DecodedStreamScanner(decoder, usage) if decoder is not None else None
 
 
 def stated_wait(headers: Mapping[str, str], body: bytes | None, now: float) -> float | None:
@@ -137,34 +142,43 @@ def classify_response(
 
 
 class StreamErrorScanner:
-    """Watches one SSE stream for rate-limit errors sent after a 200 status.
+    """Watches one SSE stream for rate-limit errors sent after a 200 status, and for its usage.
 
     Feed it every chunk as relayed; it reports the first rate-limit error and
-    nothing after that. Chunks are cut anywhere by the network, so only the
-    unfinished last line is carried over (at most 64 KiB; a longer line is
-    dropped). A chunk that cannot complete a line containing ``error`` costs
-    two byte searches, which keeps the scanner off the relay's hot path.
+    nothing after that, and hands every usage object to its ``UsageReader`` (if
+    given). Chunks are cut anywhere by the network, so only the unfinished last
+    line is carried over (at most 64 KiB; a longer line is dropped). A chunk that
+    cannot complete a line containing ``error`` or ``"usage"`` costs a few byte
+    searches, which keeps the scanner off the relay's hot path.
     """
 
-    __slots__ = ("_reported", "_skipping", "_tail", "_tail_hit")
+    __slots__ = ("_marks", "_reported", "_skipping", "_tail", "_tail_hit", "usage")
 
-    def __init__(self) -> None:
+    def __init__(self, usage: UsageReader | None = None) -> None:
         self._tail = bytearray()
         self._tail_hit = False
         self._skipping = False
         self._reported = False
+        self.usage = usage
+        self._marks: tuple[bytes, ...] = (_ERROR_MARK, USAGE_MARK) if usage is not None else (_ERROR_MARK,)
 
     def feed(self, chunk: bytes) -> Backoff | None:
         """Scan the next chunk; the backoff if it completes a rate-limit error event."""
-        if self._reported or not chunk:
+        if not self._marks or not chunk:
             return None
-        if self._tail_hit or b"error" in chunk or self._error_spans(chunk):
+        if self._tail_hit or self._marked(chunk) or self._marks_span(chunk):
             return self._scan(chunk)
         self._carry(chunk)
         return None
 
-    def _error_spans(self, chunk: bytes) -> bool:
-        return bool(self._tail) and b"error" in self._tail[-4:] + chunk[:4]
+    def _marked(self, text: bytes | bytearray) -> bool:
+        for mark in self._marks:
+            if mark in text:
+                return True
+        return False
+
+    def _marks_span(self, chunk: bytes) -> bool:
+        return bool(self._tail) and self._marked(self._tail[-_LONGEST_MARK:] + chunk[:_LONGEST_MARK])
 
     def _carry(self, chunk: bytes) -> None:
         cut = chunk.rfind(b"\n")
@@ -185,14 +199,23 @@ class StreamErrorScanner:
         else:
             lines[0] = bytes(self._tail) + lines[0]
         self._start_line()
-        found = _first_stream_error(lines)
-        if found is not None:
-            self._reported = True
-            self._tail.clear()
-            return found
+        found = self._lines(lines)
         self._append(chunk[cut + 1 :])
-        self._tail_hit = b"error" in self._tail
-        return None
+        self._tail_hit = self._marked(self._tail)
+        return found
+
+    def _lines(self, lines: list[bytes]) -> Backoff | None:
+        found = None
+        usage = self.usage
+        for line in lines:
+            if usage is not None and USAGE_MARK in line:
+                usage.read(line)
+            if not self._reported and _ERROR_MARK in line:
+                found = _stream_error(line.rstrip(b"\r"))
+                if found is not None:
+                    self._reported = True
+                    self._marks = (USAGE_MARK,) if usage is not None else ()
+        return found
 
     def _start_line(self) -> None:
         self._tail.clear()
@@ -217,22 +240,22 @@ class DecodedStreamScanner:
 
     __slots__ = ("_decoder", "_scanner")
 
-    def __init__(self, decoder: StreamDecoder) -> None:
+    def __init__(self, decoder: StreamDecoder, usage: UsageReader | None = None) -> None:
         self._decoder: StreamDecoder | None = decoder
-        self._scanner = StreamErrorScanner()
+        self._scanner = StreamErrorScanner(usage)
 
     def feed(self, chunk: bytes) -> Backoff | None:
         if self._decoder is None:
             return None
+        found = None
         try:
             for piece in self._decoder.decode(chunk):
-                found = self._scanner.feed(piece)
-                if found is not None:
-                    self._decoder = None
-                    return found
+                found = self._scanner.feed(piece) or found
         except ValueError:
             self._decoder = None
-        return None
+        if found is not None and self._scanner.usage is None:
+            self._decoder = None  # nothing more to read in it
+        return found
 
 
 def _lowercase(headers: Mapping[str, str]) -> dict[str, str]:

@@ -53,7 +53,7 @@ before ``created_at`` was lost with the data, not expired).
 from __future__ import annotations
 
 __all__ = ["BACKOFF", "BUDGET", "CANCEL", "CONFIGURE", "DISPATCH", "ENQUEUE", "PICK_KEY", "RELEASE", "RENEW", "RESTAR",
-           "SET_COOLDOWN", "SET_LIMIT", "STATS"]
+           "SET_COOLDOWN", "SET_LIMIT", "STATS", "USAGE_ADD"]
 
 _PRELUDE = r"""
 local BASE = string.sub(KEYS[1], 1, #KEYS[1] - 3)
@@ -739,4 +739,19 @@ for _, name in ipairs(unblocked) do
 end
 if #unblocked > 0 then return unblocked[1] end
 return pool[1]
+"""
+
+USAGE_ADD = r"""
+-- KEYS[1]: one provider's hour of usage aggregates (proxy.fleet_usage). ARGV: when it expires (epoch ms), then
+-- field, amount pairs: a field named max:... keeps the larger value, every other one is added to.
+for i = 2, #ARGV, 2 do
+  local field, amount = ARGV[i], tonumber(ARGV[i + 1])
+  if string.sub(field, 1, 4) == 'max:' then
+    if amount > tonumber(redis.call('HGET', KEYS[1], field) or '-1') then redis.call('HSET', KEYS[1], field, amount) end
+  else
+    redis.call('HINCRBY', KEYS[1], field, amount)
+  end
+end
+redis.call('PEXPIREAT', KEYS[1], ARGV[1])
+return 1
 """

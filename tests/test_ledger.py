@@ -1,0 +1,149 @@
+"""The ledger on its own: rows written off the loop, kept across a restart, a failing file never fatal; the usage
+report's queries and the fleet's hourly encoding."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from proxy.errors import AdminError
+from proxy.fleet_usage import FleetUsage, usage_key
+from proxy.ledger import COLUMNS, Ledger, LedgerRow
+from proxy.usage_report import answer, parse_query, queue_median_sql, totals_sql
+
+NOW_MS = 1_800_000_123_456
+
+
+def row(**fields: object) -> LedgerRow:
+    base: dict[str, object] = {
+        "ended_at": NOW_MS, "provider": "openai", "key": None, "model": "gpt-5", "workspace": "web",
+        "starred": False, "conversation": "c1", "transport": "http", "status": 200, "outcome": "ok",
+        "queue_ms": 0, "ttfb_ms": 5, "duration_ms": 50, "input_tokens": 100, "cached_input_tokens": 10,
+        "cache_write_tokens": 0, "output_tokens": 20, "reasoning_tokens": 3, "retries": 0,
+    }
+    base.update(fields)
+    return LedgerRow(**base)  # type: ignore[arg-type]
+
+
+def table(path: Path) -> list[dict[str, object]]:
+    with sqlite3.connect(path) as connection:
+        cursor = connection.execute(f"SELECT {', '.join(COLUMNS)} FROM requests ORDER BY ended_at")
+        return [dict(zip(COLUMNS, values, strict=True)) for values in cursor]
+
+
+async def test_rows_are_written_in_wal_mode_and_kept_across_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    ledger = Ledger(path, retention=86400)
+    await ledger.start()
+    ledger.record(row(ended_at=NOW_MS - 2))
+    ledger.record(row(ended_at=NOW_MS - 1, status=503, outcome="rejected", input_tokens=None))
+    await ledger.close()
+    with sqlite3.connect(path) as connection:
+        assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    again = Ledger(path, retention=86400)
+    await again.start()
+    again.record(row(ended_at=NOW_MS))
+    await again.close()
+    rows = table(path)
+    assert [(r["status"], r["outcome"], r["input_tokens"]) for r in rows] == [(200, "ok", 100), (503, "rejected", None),
+                                                                                (200, "ok", 100)]
+
+
+async def test_a_path_that_is_a_folder_drops_rows_without_failing(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A path SQLite cannot open as a file (here a folder: this holds as root too)."""
+    path = tmp_path / "not-a-file"
+    path.mkdir()
+    ledger = Ledger(path, retention=86400)
+    with caplog.at_level(logging.ERROR, logger="slotproxy.ledger"):
+        await ledger.start()
+        started = time.monotonic()
+        for _ in range(100):
+            ledger.record(row())
+        assert time.monotonic() - started < 0.05  # recording is an append, whatever the file does
+        await ledger.flush()
+        await ledger.close()
+    assert ledger.dropped == 100
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines  # the open and the write both failed: one line, the next a minute later
+    assert lines[0].startswith(f"the ledger at {path} could not be written (unable to open database file)")
+
+
+async def test_retention_deletes_old_rows_on_the_hourly_prune(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite"
+    ledger = Ledger(path, retention=3600, clock=lambda: NOW_MS / 1000)
+    await ledger.start()
+    ledger.record(row(ended_at=NOW_MS - 2 * 3600 * 1000))
+    ledger.record(row(ended_at=NOW_MS - 10))
+    await ledger.close()
+    assert [r["ended_at"] for r in table(path)] == [NOW_MS - 10]
+
+
+def test_the_query_is_validated_naming_the_parameter() -> None:
+    for params, words in [({"since": "yesterday"}, "since must be epoch milliseconds"),
+                          ({"until": "-5"}, "until must be epoch milliseconds"),
+                          ({"by": "workspace,colour"}, "by: 'colour' is not a field to group by"),
+                          ({"by": "model,model"}, "by: a field is named twice"),
+                          ({"provider": ""}, "provider must be a non-empty value"),
+                          ({"group": "x"}, "unknown parameter 'group'"),
+                          ({"since": "1h", "until": "2h"}, "is after until")]:
+        with pytest.raises(AdminError, match=words) as raised:
+            parse_query(params, NOW_MS)
+        assert raised.value.status == 400
+    query = parse_query({"since": "5h", "by": "provider, model", "workspace": "web"}, NOW_MS)
+    assert (query.since, query.until, query.by, dict(query.filters)) == (
+        NOW_MS - 5 * 3600 * 1000, NOW_MS, ("provider", "model"), {"workspace": "web"})
+    assert parse_query({}, NOW_MS).since == NOW_MS - 24 * 3600 * 1000
+    assert parse_query({"by": "conversation"}, NOW_MS).per_replica
+
+
+def test_the_report_groups_sums_and_sorts_by_tokens() -> None:
+    connection = sqlite3.connect(":memory:")
+    from proxy.ledger import _INSERT, _SCHEMA
+
+    connection.executescript(_SCHEMA)
+    rows = [row(workspace="web", queue_ms=10), row(workspace="web", queue_ms=30, output_tokens=80),
+            row(workspace="web", queue_ms=20), row(workspace="docs", input_tokens=5000),
+            row(workspace="docs", status=429), row(workspace="docs", status=200, input_tokens=None,
+                                                  cached_input_tokens=None, output_tokens=None)]
+    connection.executemany(_INSERT, [tuple(vars_of(r)) for r in rows])
+    query = parse_query({"since": str(NOW_MS - 1), "until": str(NOW_MS + 1)}, NOW_MS)
+    doc = answer(query, connection.execute(*totals_sql(query)), connection.execute(*queue_median_sql(query)),
+                 "replica")
+    assert doc["by"] == ["workspace"] and doc["scope"] == "replica"
+    docs, web = doc["rows"]
+    assert (docs["workspace"], docs["requests"], docs["errors"], docs["unknown_usage"]) == ("docs", 3, 1, 1)
+    assert docs["input_tokens"] == 5100 and docs["output_tokens"] == 40
+    assert (web["workspace"], web["requests"], web["output_tokens"], web["queue_ms_p50"], web["queue_ms_max"]) == \
+        ("web", 3, 120, 20, 30)
+
+
+def vars_of(entry: LedgerRow) -> list[object]:
+    return [getattr(entry, name) for name in COLUMNS]
+
+
+def test_the_fleet_encoding_reads_back_as_the_ledger_would() -> None:
+    fleet = FleetUsage("sp", retention=86400)
+    hour = NOW_MS // 3_600_000 * 3_600_000
+    for queue_ms in (5, 50, 500):
+        fleet.add(row(queue_ms=queue_ms))
+    fleet.add(row(workspace="docs", status=503, outcome="rejected", input_tokens=None, queue_ms=9000))
+    (key, args), = fleet.take()
+    assert key == usage_key("sp", "openai", hour) == f"{{sp:openai}}:usage:{hour}"
+    assert args[0] == hour + 3_600_000 + 86_400_000
+    stored: dict[str, int] = {}
+    for name, amount in zip(args[1::2], args[2::2], strict=True):
+        stored[name] = max(stored.get(name, 0), amount) if name.startswith("max:") else stored.get(name, 0) + amount
+    query = parse_query({"since": str(NOW_MS - 1), "until": str(NOW_MS + 1), "by": "workspace"}, NOW_MS)
+    assert fleet.keys(query, ["openai"]) == [(key, "openai", hour)]
+    doc = FleetUsage.answer(query, [("openai", hour, {k: str(v) for k, v in stored.items()})])
+    web, docs = doc["rows"]
+    assert doc["scope"] == "fleet"
+    assert (web["requests"], web["input_tokens"], web["output_tokens"], web["queue_ms_p50"], web["queue_ms_max"]) == \
+        (3, 300, 60, 100, 500)
+    assert (docs["requests"], docs["errors"], docs["input_tokens"], docs["unknown_usage"]) == (1, 1, 0, 0)
+    assert fleet.take() == []
