@@ -17,7 +17,7 @@ from .status import status_document
 __all__ = ["HISTORY", "add_routes"]
 
 HISTORY: web.AppKey[History] = web.AppKey("slotproxy_history", History)
-"""The sampled last 15 minutes the app's history sampler keeps (``admin.history``)."""
+"""The sampled last hour the app's history sampler keeps (``admin.history``)."""
 
 
 async def status(request: web.Request) -> web.Response:

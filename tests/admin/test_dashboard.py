@@ -574,3 +574,281 @@ async def test_an_older_proxy_without_socket_fields_shows_no_sockets_and_a_dash(
     await expect(card.locator('[data-field="transport"]')).to_have_text("—")
     await expect(card.locator('[data-field="workspace"]')).to_have_text("old-client")
     await expect(card.locator('[data-field="websockets"]')).to_be_hidden()
+
+
+# ----- who holds the slots ------------------------------------------------------------------
+
+HOLDER_CELLS = """card => [...card.querySelectorAll('tbody[data-field="holders"] tr')].map(tr => Object.fromEntries(
+    [...tr.cells].map(td => [td.dataset.field, td.textContent])))"""
+
+
+async def test_holders_table_lists_who_holds_each_slot_and_for_how_long(
+    start_upstream, start_proxy, client, page, shot
+) -> None:
+    upstream = await start_upstream(chunks=1, delay_ms=1)
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    url = f"{proxy.url}/openai"
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    await expect(card.locator('[data-field="holders-empty"]')).to_have_text("No request holds a slot.")
+
+    # An HTTP request and a response on a WebSocket hold both slots; a third request waits behind them.
+    http = asyncio.create_task(client.post(
+        f"{url}/chat/completions", json={**chat(), "model": "gpt-4o-mini"},
+        headers={"x-fake-stall-ms": "6000", "X-Workspace-Id": "release-team", "X-Workspace-Starred": "1",
+                 "X-Conversation-Id": "conv-9"}))
+    await wait_until(lambda: proxy.status()["in_flight"] == 1, what="the HTTP request to take a slot")
+    ws = await client.ws_connect(f"{url}/responses", headers={"X-Workspace-Id": "codex-session"})
+    try:
+        await ws.send_str(json.dumps({"type": "response.create", "model": "gpt-5-codex",
+                                      "x_fake": {"stall-ms": 6000}}))
+        await wait_until(lambda: proxy.status()["in_flight"] == 2, what="the socket's response to take a slot")
+        waiter = asyncio.create_task(client.post(f"{url}/chat/completions", json=chat(),
+                                                 headers={"X-Workspace-Id": "waiting-team"}))
+        await wait_until(lambda: proxy.status()["queued"] == 1, what="a third request to wait")
+
+        rows = card.locator('tbody[data-field="holders"] tr')
+        await expect(rows).to_have_count(2)
+        await expect(card.locator('tbody[data-field="queue"] tr')).to_have_count(1)
+        await expect(rows.nth(1).locator('[data-field="held"]')).to_have_text(re.compile(r"^[1-9] s$"))
+        await shot("1-holding")
+        first = await card.evaluate(HOLDER_CELLS)
+        # Longest held first: the HTTP request came first.
+        assert [{k: v for k, v in row.items() if k != "held"} for row in first] == [
+            {"workspace": "release-team", "starred": "★starred", "conversation": "conv-9", "model": "gpt-4o-mini",
+             "transport": "HTTP"},
+            {"workspace": "codex-session", "starred": "", "conversation": "—", "model": "gpt-5-codex",
+             "transport": "WebSocket"},
+        ]
+        assert all(re.fullmatch(r"\d s", row["held"]) for row in first), first
+        # No key pool: no Key column.
+        await expect(card.locator('th[data-column="key"]')).to_be_hidden()
+        assert await card.locator('tbody[data-field="holders"] [data-field="key"]').count() == 0
+        heads = await card.locator('[data-field="holding"] thead th').evaluate_all(
+            "ths => ths.filter(th => !th.hidden).map(th => th.textContent)")
+        assert heads == ["Workspace", "★Starred", "Conversation", "Model", "Via", "Held for"]
+
+        # The held time grows between polls and ticks, from the server's count.
+        held = rows.first.locator('[data-field="held"]')
+        before = int((await held.text_content() or "").split()[0])
+        await expect(held).to_have_text(f"{before + 1} s", timeout=3000)
+        assert (await held.get_attribute("title") or "").startswith("holding since ")
+
+        assert (await response_events(ws))[-1] == "response.completed"
+        for response in await asyncio.gather(http, waiter):
+            assert response.status == 200
+            await response.read()
+            response.release()
+    finally:
+        await ws.close()
+    await expect(rows).to_have_count(0)
+    await expect(card.locator('[data-field="holders-empty"]')).to_be_visible()
+    await shot("2-released")
+
+
+async def test_holders_table_has_a_key_column_with_a_key_pool(
+    start_upstream, start_proxy, client, page, shot, pool_env
+) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(POOL_YAML.format(upstream=upstream.url))
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    holder = asyncio.create_task(client.post(f"{proxy.url}/openai/chat/completions",
+                                             json={**chat(stream=False), "model": "gpt-big-1"},
+                                             headers={"x-fake-stall-ms": "2500", "X-Workspace-Id": "pool-user"}))
+    await wait_until(lambda: proxy.status()["in_flight"] == 1, what="a request to hold a key's slot")
+    (busy,) = [k["name"] for k in proxy.status()["keys"] if k["in_flight"] == 1]
+    row = card.locator('tbody[data-field="holders"] tr')
+    await expect(row).to_have_count(1)
+    await expect(card.locator('th[data-column="key"]')).to_be_visible()
+    await expect(row.locator('[data-field="key"]')).to_have_text(busy)
+    await expect(row.locator('[data-field="model"]')).to_have_text("gpt-big-1")
+    await expect(row.locator('[data-field="workspace"]')).to_have_text("pool-user")
+    await shot("1-key-column")
+    response = await holder
+    assert response.status == 200
+    response.release()
+    await expect(row).to_have_count(0)
+
+
+async def test_holders_table_is_capped_like_the_queue_and_hidden_for_older_proxies(
+    start_upstream, start_proxy, page, shot
+) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=None))
+    now = int(time.time() * 1000)
+    holders: list[dict[str, Any]] | None = [
+        {"workspace": f"ws-{i}", "starred": False, "conversation": None, "model": None, "key": None,
+         "transport": "http", "granted_at": now - 60_000 * (205 - i), "held_ms": 60_000 * (205 - i)}
+        for i in range(205)
+    ]
+
+    async def listed(route: Any) -> None:
+        response = await route.fetch()
+        body = await response.json()
+        for provider in body["providers"]:
+            if holders is None:
+                provider.pop("holders", None)
+            else:
+                provider["holders"] = holders
+                provider["in_flight"] = len(holders)
+        await route.fulfill(response=response, json=body)
+
+    await page.route("**/_slotproxy/status", listed)
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    rows = card.locator('tbody[data-field="holders"] tr')
+    await expect(rows).to_have_count(200)
+    await expect(card.locator('[data-field="holders-more"]')).to_have_text("…and 5 more holding a slot.")
+    first = rows.first
+    await expect(first.locator('[data-field="held"]')).to_have_text("3 h 25 min")
+    await expect(first.locator('[data-field="model"]')).to_have_text("—")
+    await expect(rows.nth(199).locator('[data-field="held"]')).to_have_text("6 min")
+    await shot("1-capped")
+
+    holders = None  # a proxy from before the holders list
+    await expect(card.locator('[data-field="holding"]')).to_be_hidden()
+    await expect(card.locator('[data-field="queue-empty"]')).to_be_visible()
+
+
+# ----- the chart's span and its limit line ---------------------------------------------------
+
+def synthetic_history(storm_ago: float = 150.0) -> dict[str, Any]:
+    """An hour of samples every 5 s ending now: 2 in flight of a limit of 8, then a 30-second storm
+    ``storm_ago`` seconds ago (paused, queued, the limit reduced to 3), after which 3 are in flight of 3."""
+    now = time.time()
+    provider_samples, key_samples = [], []
+    for i in range(720):
+        t = now - (719 - i) * 5
+        ago = now - t
+        storming = storm_ago - 30 < ago <= storm_ago
+        after = ago <= storm_ago
+        flags = (history.PAUSED if storming else 0) | (
+            history.REDUCED if storming and ago > storm_ago - 5 else 0)
+        limit = 3 if after else 8
+        in_flight = 3 if after else 2
+        provider_samples.append([int(t * 1000), in_flight, 6 if storming else 0, limit, flags])
+        key_samples.append([int(t * 1000), min(in_flight, 2), 2, 0])
+    return {"interval_ms": 5000, "window_ms": 3_600_000,
+            "providers": [{"provider": "openai", "samples": provider_samples,
+                           "keys": [{"name": "team-a", "samples": key_samples}]}]}
+
+
+AXIS_LABELS = "svg => [...svg.querySelectorAll('text[data-axis=\"x\"]')].map(t => t.textContent)"
+LINE_END = """(svg, series) => {
+    const path = svg.querySelector(`path[data-series="${series}"]`);
+    const end = path.getPointAtLength(path.getTotalLength());
+    return [Math.round(end.x), Math.round(end.y)];
+}"""
+
+
+async def test_chart_span_buttons_switch_between_5_minutes_15_minutes_and_an_hour(
+    start_upstream, start_proxy, page, shot, pool_env
+) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(POOL_YAML.format(upstream=upstream.url))
+
+    async def synthetic(route: Any) -> None:
+        await route.fulfill(json=synthetic_history())
+
+    await page.route("**/_slotproxy/history", synthetic)
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    chart = card.locator('svg[data-chart="provider"]')
+    key_chart = card.locator('[data-key="team-a"] svg[data-chart="key"]')
+    storm = chart.locator('rect[data-mark="paused"]')
+    buttons = card.locator('[data-field="spans"] button')
+    await expect(buttons).to_have_text(["5 min", "15 min", "1 h"])
+
+    widths = {}
+    for label, span, head, axis in [
+        ("15 min", 900_000, "Last 15 minutes", ["−15 min", "−10 min", "−5 min", "now"]),
+        ("5 min", 300_000, "Last 5 minutes", ["−5 min", "−4 min", "−3 min", "−2 min", "−1 min", "now"]),
+        ("1 h", 3_600_000, "Last hour", ["−1 h", "−45 min", "−30 min", "−15 min", "now"]),
+    ]:
+        button = card.get_by_role("button", name=label, exact=True)
+        if label != "15 min":  # 15 minutes is the default
+            await button.click()
+        await expect(button).to_have_attribute("aria-pressed", "true")
+        await expect(card.locator('[aria-pressed="true"]')).to_have_count(1)
+        await expect(chart).to_have_attribute("data-span-ms", str(span))
+        await expect(key_chart).to_have_attribute("data-span-ms", str(span))
+        await expect(card.locator('[data-field="history"] h3')).to_have_text(head)
+        await expect(chart).to_have_attribute("aria-label", f"{head} of openai: in flight, queued and limit")
+        assert await chart.evaluate(AXIS_LABELS) == axis
+        await expect(storm).to_have_count(1)
+        widths[label] = float(await storm.get_attribute("width") or 0)
+        await shot(f"span-{label.replace(' ', '')}")
+    # The 30-second storm is a band a tenth of the 5-minute chart wide, a sliver at an hour.
+    assert widths["5 min"] > 50 and widths["1 h"] < 6
+    assert widths["5 min"] > 2.5 * widths["15 min"] > 2.5 * 2.5 * widths["1 h"]
+
+    # The choice is kept for the tab.
+    await page.reload()
+    await expect(page.locator('[data-provider="openai"] svg[data-chart="provider"]')).to_have_attribute(
+        "data-span-ms", "3600000")
+
+
+async def test_chart_span_is_limited_to_what_an_older_proxy_keeps(start_upstream, start_proxy, page) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+
+    async def fifteen_minutes(route: Any) -> None:
+        body = synthetic_history()
+        body["window_ms"] = 900_000
+        await route.fulfill(json=body)
+
+    await page.route("**/_slotproxy/history", fifteen_minutes)
+    await page.goto(f"{proxy.url}/_slotproxy/")
+    await page.evaluate("sessionStorage.setItem('slotproxy.chartSpan', '3600000')")
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    await expect(card.get_by_role("button", name="1 h", exact=True)).to_be_disabled()
+    await expect(card.get_by_role("button", name="15 min", exact=True)).to_have_attribute("aria-pressed", "true")
+    await expect(card.locator('svg[data-chart="provider"]')).to_have_attribute("data-span-ms", "900000")
+
+
+async def test_the_limit_line_stays_visible_over_in_flight_after_a_reduction(
+    start_upstream, start_proxy, client, page, shot, fast_history
+) -> None:
+    upstream = await start_upstream(retry_after=0.3)
+    proxy = await start_proxy(provider_yaml(upstream, limit=3, retry_on_429=0))
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    await auto_reduce(proxy, client)
+    await wait_until(lambda: not proxy.status()["paused"], what="the pause to end")
+    # Two requests hold both slots of the reduced limit: in flight == limit == 2.
+    holders = [asyncio.create_task(client.post(f"{proxy.url}/openai/chat/completions", json=chat(stream=False),
+                                               headers={"x-fake-stall-ms": "2500"})) for _ in range(2)]
+    await wait_until(lambda: proxy.status()["in_flight"] == 2, what="both slots held")
+    chart = card.locator('svg[data-chart="provider"]')
+    await expect(chart.locator('line[data-mark="reduced"]')).to_have_count(1)
+    await expect(card.locator('[data-field="in-flight"]')).to_have_text("2")
+    # The newest sample drawn has both at 2: the lines end at the same height.
+    await page.wait_for_function(
+        """svg => { const end = s => { const p = svg.querySelector(`path[data-series="${s}"]`);
+                                       return p ? p.getPointAtLength(p.getTotalLength()).y : NaN; };
+                    return Math.abs(end("in-flight") - end("limit")) < 0.5; }""",
+        arg=await chart.element_handle())
+    in_flight_end, limit_end = await chart.evaluate(LINE_END, "in-flight"), await chart.evaluate(LINE_END, "limit")
+    assert in_flight_end == limit_end
+    # The limit is drawn after (over) the in-flight line and its area, dashed in another colour.
+    order = await chart.evaluate("svg => [...svg.querySelectorAll('path[data-series]')].map(p => p.dataset.series)")
+    assert order == ["in-flight-area", "queued", "in-flight", "limit"]
+    look = await chart.evaluate("""svg => {
+        const style = s => getComputedStyle(svg.querySelector(`path[data-series="${s}"]`));
+        return [style("limit").stroke, style("limit").strokeDasharray, style("in-flight").stroke,
+                style("in-flight-area").fill, style("in-flight-area").fillOpacity];
+    }""")
+    limit_stroke, dashes, in_flight_stroke, area_fill, area_opacity = look
+    assert dashes not in ("none", "") and limit_stroke != in_flight_stroke
+    assert area_fill == in_flight_stroke and 0 < float(area_opacity) < 1
+    # The limit's top (3) before the reduction sits below the frame's top edge, not on it.
+    frame_top = float(await chart.locator("rect.frame").get_attribute("y") or 0)
+    limit_top = await chart.evaluate("svg => svg.querySelector('path[data-series=\"limit\"]').getBBox().y")
+    assert limit_top > frame_top + 2
+    await card.locator('[data-field="history"]').screenshot(path=str(ARTIFACTS / "dashboard-limit-over-in-flight.png"))
+    await shot("1-full-after-reduction")
+    for response in await asyncio.gather(*holders):
+        assert response.status == 200
+        response.release()

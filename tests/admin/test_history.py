@@ -1,4 +1,4 @@
-"""The 15-minute history: the pure series on fake time, the sampler's loop, and ``GET /_slotproxy/history``."""
+"""The one-hour history: the pure series on fake time, the sampler's loop, and ``GET /_slotproxy/history``."""
 
 from __future__ import annotations
 
@@ -59,20 +59,44 @@ def flags_of(rows: list[list[Any]]) -> list[int]:
     return [row[-1] for row in rows]
 
 
-def test_a_series_keeps_the_last_180_samples_and_documents_its_window() -> None:
+def test_a_series_keeps_the_last_hour_and_documents_its_window() -> None:
     clock = FakeTime()
     hist = History(clock=clock)
     for _ in range(SAMPLES + 20):
         hist.record([provider(keys=(key(),))])
         clock.now += 5
     rows = samples(hist)
-    assert len(rows) == SAMPLES == 180
+    assert len(rows) == SAMPLES == 720
     assert rows[0] == [round((T0 + 20 * 5) * 1000), 3, 2, 4, 0]
-    assert rows[-1][0] - rows[0][0] == (SAMPLES - 1) * 5000
+    assert rows[-1][0] - rows[0][0] == (SAMPLES - 1) * 5000 == 3_595_000
     assert len(key_samples(hist, "team-a")) == SAMPLES
     assert key_samples(hist, "team-a")[-1][1:] == [1, 2, 0]
     document = hist.to_dict()
-    assert (document["interval_ms"], document["window_ms"]) == (5000, 900_000)
+    assert (document["interval_ms"], document["window_ms"]) == (5000, 3_600_000)
+
+
+def test_hours_of_samples_stay_bounded_to_the_last_hour_of_each_series() -> None:
+    """Three hours of a storm every ten minutes on two providers and a pool: each series holds one hour, no
+    more, and the newest hour is the one kept (the dashboard's 5-minute span is its last 60 samples)."""
+    clock = FakeTime()
+    hist = History(clock=clock)
+    later = round(T0 * 1000) + 10**9
+    for i in range(3 * SAMPLES):
+        storm = i % 120 < 6  # 30 seconds in every 10 minutes
+        keys = (key(paused_until=later if storm else None), key("team-b"), key("team-c"))
+        hist.record([provider(keys=keys, paused_until=later if storm else None), provider("anthropic")])
+        clock.now += 5
+    document = hist.to_dict()
+    series = [entry["samples"] for entry in document["providers"]]
+    series += [k["samples"] for entry in document["providers"] for k in entry["keys"]]
+    assert len(series) == 5 and {len(s) for s in series} == {SAMPLES}
+    first = round((T0 + 2 * SAMPLES * 5) * 1000)
+    assert all(s[0][0] == first and s[-1][0] == first + (SAMPLES - 1) * 5000 for s in series)
+    # Six storms in the hour kept, each six samples long.
+    assert sum(1 for row in samples(hist) if row[4] & PAUSED) == 6 * 6
+    last_five_minutes = samples(hist)[-60:]
+    assert sum(1 for row in last_five_minutes if row[4] & PAUSED) == 0
+    assert [row[4] & PAUSED for row in samples(hist)[-120:-114]] == [PAUSED] * 6
 
 
 def test_a_pause_a_reduction_and_a_budget_hold_are_flagged() -> None:
