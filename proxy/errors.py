@@ -22,7 +22,9 @@
         └── WebSocketUnsupported   426 websocket_unsupported: the client falls back to HTTP at once
 
 Foreign errors (aiohttp, YAML, pydantic, Redis) are translated into these at one
-boundary each, with ``raise ... from exc``.
+boundary each, with ``raise ... from exc``. An upstream's failure (connect, DNS,
+TLS, a cut stream, a timeout) is put in words by ``proxy.upstream_errors``: host
+and port, what happened, no library class names, no secrets.
 """
 
 from __future__ import annotations

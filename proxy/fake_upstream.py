@@ -2,10 +2,15 @@
 
 It speaks enough of the OpenAI (``/v1/chat/completions``, ``/v1/completions``,
 ``/v1/responses``) and Anthropic (``/v1/messages``) APIs for the official SDKs
-to parse its answers, streamed or not. Over its cap it answers 429 with
-Retry-After, like a real provider, and it keeps the statistics a test needs to
-prove that a proxy in front of it never went over: the highest concurrency it
-ever admitted, the 429s it sent, and the tags of the requests in arrival order.
+to parse its answers, streamed or not. Every API path (``/v1/models`` and
+``/v1/usage`` too) is also served without its ``/v1``, so a provider's upstream
+may be ``http://127.0.0.1:P/v1`` (OpenAI's shape) or ``http://127.0.0.1:P``
+(Anthropic's). Any other path gets a 404 in the OpenAI error shape (code
+``unknown_url``) that names the path and the routes served. Over its cap it
+answers 429 with Retry-After, like a real provider, and it keeps the statistics
+a test needs to prove that a proxy in front of it never went over: the highest
+concurrency it ever admitted, the 429s it sent, and the tags of the requests in
+arrival order.
 
 Request headers inject faults (so a test can reach them through a proxy):
 
@@ -160,6 +165,9 @@ from .decoders import zstd_module
 __all__ = ["FakeUpstream", "add_arguments", "run", "start_fake_upstream"]
 
 ARRIVALS_KEPT = 10_000
+API_PREFIXES = ("/v1", "")
+"""Every API route is served under each: ``/v1/messages`` and ``/messages`` alike."""
+SERVED_ROUTES = "/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models"
 DEFAULT_PORT = 9100
 MODEL = "fake-model"
 WINDOW_TOKENS = 1_000_000
@@ -732,6 +740,28 @@ class _Knobs:
         )
 
 
+def not_found_message(method: str, path: str, host: str) -> str:
+    """What the fake answers for a path it does not serve: the path, the routes it does, and for a doubled
+    ``/v1`` the likely cause (an upstream ending in /v1 in front of clients that add /v1 themselves)."""
+    message = f"slotproxy fake-upstream has no route {method} {path}; it serves {SERVED_ROUTES} (with or without /v1)"
+    if path.startswith("/v1/v1/"):
+        message += (f". The path has /v1 twice: point an Anthropic-style provider's upstream at http://{host} "
+                    f"(its clients add /v1), an OpenAI-style one at http://{host}/v1")
+    return message
+
+
+@web.middleware
+async def _json_not_found(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """A path the fake does not serve gets a JSON error in the OpenAI shape, not aiohttp's bare text."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        message = not_found_message(request.method, request.path, request.host)
+        return web.json_response(_ChatDialect().error_body(404, message, "unknown_url"), status=404)
+
+
 async def _read_json(request: web.Request) -> tuple[dict[str, Any], int]:
     raw = await request.read()
     try:
@@ -849,14 +879,17 @@ class FakeUpstream:
 
     def app(self) -> web.Application:
         """The aiohttp application serving this fake."""
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._route(_ChatDialect()))
-        app.router.add_post("/v1/completions", self._route(_CompletionDialect()))
-        app.router.add_post("/v1/messages", self._route(_MessagesDialect()))
-        app.router.add_post("/v1/responses", self._route(_ResponsesDialect()))
-        app.router.add_get("/v1/responses", self._responses_socket, allow_head=False)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/usage", self._usage)
+        app = web.Application(middlewares=[_json_not_found])
+        # Each API path with and without its /v1: an upstream of http://127.0.0.1:P/v1 (OpenAI's shape) and one
+        # of http://127.0.0.1:P (Anthropic's, whose clients add /v1 themselves) both reach it.
+        for prefix in API_PREFIXES:
+            app.router.add_post(f"{prefix}/chat/completions", self._route(_ChatDialect()))
+            app.router.add_post(f"{prefix}/completions", self._route(_CompletionDialect()))
+            app.router.add_post(f"{prefix}/messages", self._route(_MessagesDialect()))
+            app.router.add_post(f"{prefix}/responses", self._route(_ResponsesDialect()))
+            app.router.add_get(f"{prefix}/responses", self._responses_socket, allow_head=False)
+            app.router.add_get(f"{prefix}/models", self._models)
+            app.router.add_get(f"{prefix}/usage", self._usage)
         app.router.add_get("/stats", self._stats)
         app.router.add_post("/stats/reset", self._reset)
         return app
@@ -1429,7 +1462,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _serve_until_signalled(fake: FakeUpstream, port: int) -> None:
-    runner, bound = await start_fake_upstream(fake, port=port)
+    try:
+        runner, bound = await start_fake_upstream(fake, port=port)
+    except OSError as exc:  # a taken port is one line (slotproxy: cannot listen on ...), exit 2: no traceback
+        from .bind import failure
+
+        bind_failed = failure(exc, "127.0.0.1", port, host_flag=None)
+        if bind_failed is None:
+            raise
+        raise bind_failed from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)

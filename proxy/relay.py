@@ -19,6 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from . import upstream_errors
 from .answers import ALLOWED_ORIGIN, Answer, StreamedAnswer, WrittenAnswer
 from .body import read_body
 from .budgets import read_budget
@@ -178,6 +179,10 @@ class Exchange:
         self.response: web.StreamResponse | None = None
         self.queue_ms = 0
         self.consumed = consumed
+        self.headers_seen = False
+        """Whether the current attempt's upstream answered with its headers (else it failed before answering)."""
+        self.chunks: int | None = None
+        """The chunks of upstream's body relayed so far in this attempt; None until its body streams."""
 
     async def run(self) -> web.StreamResponse:
         retries_left = self.settings.retry_on_429
@@ -215,6 +220,7 @@ class Exchange:
         lease.on_reclaim = watch.fire
         if lease.reclaimed:
             watch.fire()
+        self.headers_seen, self.chunks = False, None
         try:
             session = self.state.upstreams.session_for(self.settings)
             # Built after the grant: a queued request holds nothing it does not need yet.
@@ -230,6 +236,7 @@ class Exchange:
                 allow_redirects=False,
                 timeout=self.state.upstreams.client_timeout(self.settings),
             ) as upstream:
+                self.headers_seen = True
                 watch.touch(asyncio.get_running_loop().time())
                 lease.headers_received()
                 budget = self._note_budget(upstream, lease) if self.settings.budgets and self.needs_slot else None
@@ -242,28 +249,38 @@ class Exchange:
         except asyncio.CancelledError:
             if not watch.absorbed():
                 raise
-            return self._timed_out(lease)
-        except TimeoutError:  # aiohttp's connect_timeout
-            return self._timed_out(lease)
+            return self._timed_out(lease, watch.delay)
+        except TimeoutError:  # aiohttp's connect_timeout (sock_read is off: idle_timeout is the watch's)
+            return self._fail(UpstreamTimeout, upstream_errors.connect_timed_out(
+                self.url.host, self.url.port, self.settings.connect_timeout))
         except _ClientGone:
             log.debug("provider=%s client left mid-response", self.provider)
             return self.response or error_response(BadRequest("client disconnected"))
         except aiohttp.ClientError as exc:
-            log.warning("provider=%s upstream failed: %s", self.provider, type(exc).__name__)
-            return self._fail(UpstreamUnreachable(f"upstream of provider '{self.provider}' failed: {type(exc).__name__}"))
+            host, port = self.url.host, self.url.port
+            what = upstream_errors.broke_off(exc, host, port, self.chunks) if self.headers_seen \
+                else upstream_errors.before_answer(exc, host, port)
+            return self._fail(UpstreamUnreachable, what)
         finally:
             watch.close()
             lease.on_reclaim = None
 
-    def _timed_out(self, lease: SlotLease | _NoSlot) -> web.StreamResponse:
-        what = "slot_timeout" if lease.reclaimed else "idle_timeout or connect_timeout"
-        log.warning("provider=%s %s fired for %s %s", self.provider, what, self.request.method, self.url.path)
-        return self._fail(UpstreamTimeout(f"upstream of provider '{self.provider}' timed out ({what})"))
+    def _timed_out(self, lease: SlotLease | _NoSlot, idle_timeout: float) -> web.StreamResponse:
+        host, port = self.url.host, self.url.port
+        if lease.reclaimed:
+            what = upstream_errors.slot_timed_out(host, port, self.settings.slot_timeout)
+        else:
+            what = upstream_errors.idle(host, port, idle_timeout, self.chunks, self.headers_seen)
+        return self._fail(UpstreamTimeout, what)
 
-    def _fail(self, error: ProxyError) -> web.StreamResponse:
-        """Answer with an error, or, once bytes reached the client, cut the connection."""
+    def _fail(self, kind: type[UpstreamUnreachable | UpstreamTimeout], what: str) -> web.StreamResponse:
+        """Answer with an error that says ``what`` happened upstream (in words, with its host and port), or,
+        once bytes reached the client, cut the connection; the log line says the same and which it was."""
+        error = kind(upstream_errors.for_provider(self.provider, what))
         if self.response is None:
+            log.warning("provider=%s %s; answered %d %s", self.provider, what, error.status, error.code)
             return error_response(error, queue_ms=self.queue_ms)
+        log.warning("provider=%s %s; the client's connection was cut (its answer had begun)", self.provider, what)
         transport = self.request.transport
         if transport is not None:
             transport.close()
@@ -283,7 +300,7 @@ class Exchange:
         if backoff is not None:
             self._report(backoff, lease, reduce=not window_spent)
             if retry_allowed:
-                log.info("provider=%s retrying after a %s (the client has seen nothing yet)", self.provider, backoff.cause)
+                log.debug("provider=%s retrying after a %s (the client has seen nothing yet)", self.provider, backoff.cause)
                 raise _Retry
         if not complete:
             return await self._stream(upstream, lease, watch, prefix=body)
@@ -318,17 +335,22 @@ class Exchange:
         now = asyncio.get_running_loop().time
         # Cancellation point: the client may leave at any await below; the handler
         # is cancelled and the caller's finally releases the slot.
-        async for chunk in upstream.content.iter_any():
-            watch.touch(now())
-            if scanner is not None:
-                backoff = scanner.feed(chunk)
-                if backoff is not None:
-                    self._report(backoff, lease)
-                    scanner = None
-            try:  # _to_client's job, written out: no extra coroutine per chunk
-                await response.write(chunk)
-            except ConnectionError as exc:
-                raise _ClientGone from exc
+        chunks = 0
+        try:
+            async for chunk in upstream.content.iter_any():
+                chunks += 1
+                watch.touch(now())
+                if scanner is not None:
+                    backoff = scanner.feed(chunk)
+                    if backoff is not None:
+                        self._report(backoff, lease)
+                        scanner = None
+                try:  # _to_client's job, written out: no extra coroutine per chunk
+                    await response.write(chunk)
+                except ConnectionError as exc:
+                    raise _ClientGone from exc
+        finally:
+            self.chunks = chunks  # for the words if upstream broke off or went quiet
         await _to_client(response.write_eof())
         return response
 

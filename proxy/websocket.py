@@ -32,6 +32,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from multidict import CIMultiDict
 from yarl import URL
 
+from . import upstream_errors
 from .answers import ALLOWED_ORIGIN, Answer
 from .errors import (
     ProxyError,
@@ -159,8 +160,8 @@ class SocketRelay:
             if not isinstance(refused, _Retry) or retries_left <= 0:
                 return refused.answer if isinstance(refused, _Retry) else refused
             retries_left -= 1
-            log.info("provider=%s retrying a WebSocket upgrade after a %s, in %.1fs (the client has seen "
-                     "nothing yet)", self.provider, refused.backoff.cause, refused.pause)
+            log.debug("provider=%s retrying a WebSocket upgrade after a %s, in %.1fs (the client has seen "
+                      "nothing yet)", self.provider, refused.backoff.cause, refused.pause)
             await asyncio.sleep(refused.pause + _PAUSE_MARGIN)
 
     async def _connect_upstream(self) -> web.StreamResponse | _Retry | None:
@@ -178,10 +179,13 @@ class SocketRelay:
         except aiohttp.WSServerHandshakeError as exc:
             return self._refused(exc, refused_upgrade_body(), sent_at)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            log.warning("provider=%s WebSocket upgrade could not reach the upstream (%s): answered 426",
-                        self.provider, _reason(exc))
-            raise WebSocketUnsupported(f"the upstream of provider '{self.provider}' could not be reached for a "
-                                       "WebSocket upgrade: use HTTP") from exc
+            host, port = self.url.host, self.url.port
+            what = upstream_errors.connect_timed_out(host, port, self.settings.connect_timeout) \
+                if isinstance(exc, TimeoutError) else upstream_errors.before_answer(exc, host, port)
+            log.warning("provider=%s %s; the WebSocket upgrade was answered 426 (the client falls back to HTTP)",
+                        self.provider, what)
+            raise WebSocketUnsupported(upstream_errors.for_provider(
+                self.provider, f"{what}; the upstream could not be reached for a WebSocket upgrade: use HTTP")) from exc
         return None
 
     def _upstream_headers(self) -> CIMultiDict[str]:
@@ -195,10 +199,10 @@ class SocketRelay:
         status = exc.status
         headers: Mapping[str, str] = exc.headers or CIMultiDict()
         if status not in self.settings.backoff_statuses:
-            log.info("provider=%s upstream refused a WebSocket upgrade (%d %s): answered 426", self.provider,
-                     status, exc.message)
-            raise WebSocketUnsupported(f"the upstream of provider '{self.provider}' answered the WebSocket "
-                                       f"upgrade with {status}: use HTTP")
+            what = f"upstream {upstream_errors.place(self.url.host, self.url.port)} refused the WebSocket upgrade " \
+                f"with {status}"
+            log.info("provider=%s %s; answered 426 (the client falls back to HTTP)", self.provider, what)
+            raise WebSocketUnsupported(upstream_errors.for_provider(self.provider, f"{what}: use HTTP"))
         readable = readable_body(body, headers.get("Content-Encoding"))
         backoff = classify_response(status, headers, readable, self.settings.backoff_statuses, time.time())
         answer = Answer(status=status, body=body,
