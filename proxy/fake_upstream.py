@@ -37,10 +37,45 @@ Request headers inject faults (so a test can reach them through a proxy):
 ``x-fake-ratelimit-headers``    a JSON object of header names to string values,
                                 added verbatim to that answer (error or not),
                                 over any header of the same name
+``x-fake-usage``                the token usage that answer reports, as a JSON
+                                object of normalised figures ``input`` (I, all
+                                input), ``cached`` (C), ``cache_write`` (W),
+                                ``output`` (O, all output) and ``reasoning``
+                                (R): each an integer >= 0 and optional (I: the
+                                body's size // 4, at least 1; O: the chunks;
+                                the others 0); stated in the route's own shape
+                                (below). Any other value, C + W above I, or R
+                                above O is a 400
+``x-fake-usage-deltas: N``      Anthropic streams: N ``message_delta`` events
+                                (an integer >= 1, default 1), below
 ==============================  ===============================================
 
 ``br`` uses the ``brotli`` package and ``zstd`` the standard library's (or its
 backport's) ``compression.zstd``, both installed with slotproxy.
+
+The usage each API states, such that a correct reader normalises it back to I,
+C, W, O and R (but for what a shape cannot carry, which it reads as 0: W on
+OpenAI's routes, R on Anthropic's):
+
+- chat and completions: the JSON answer's ``usage``, and a stream's last chunk
+  (``"choices": []``) when the request has ``stream_options.include_usage``,
+  every earlier chunk then carrying ``"usage": null`` (without it no chunk
+  has a ``usage``): ``{"prompt_tokens": I, "completion_tokens": O,
+  "total_tokens": I+O, "prompt_tokens_details": {"cached_tokens": C},
+  "completion_tokens_details": {"reasoning_tokens": R}}``;
+- Responses API: the ``usage`` of the JSON answer and of ``response.completed``'s
+  ``response`` (SSE and WebSocket; ``null`` in ``response.created`` and
+  ``response.in_progress``; all zero for a warm-up, whatever the knob says):
+  ``{"input_tokens": I, "input_tokens_details": {"cached_tokens": C},
+  "output_tokens": O, "output_tokens_details": {"reasoning_tokens": R},
+  "total_tokens": I+O}``;
+- Anthropic Messages: the JSON answer's ``usage``, ``{"input_tokens": I-C-W,
+  "cache_creation_input_tokens": W, "cache_read_input_tokens": C,
+  "output_tokens": O}``; a stream's ``message_start`` carries the same with
+  ``"output_tokens": 1``, then, between ``content_block_stop`` and
+  ``message_stop``, N ``message_delta`` events whose ``usage`` is
+  ``{"output_tokens": round(O*k/N)}`` for k = 1..N (cumulative: the last is
+  O), the last alone with ``"stop_reason": "end_turn"`` (the others ``null``).
 
 Only model requests (the four POST routes, and the ``response.create`` frames
 of a WebSocket, below) are counted and capped; ``/v1/models``,
@@ -95,8 +130,8 @@ handshake's auth), admitted, counted and released like a POST, and answered
 with the events of the SSE stream, one JSON text frame each. The frames of one
 socket are answered one after another, in order. ``"generate": false`` (Codex's
 warm-up) gets ``response.created`` and an empty ``response.completed`` (no
-output, usage all zero) at once. An error is one frame, after which the socket
-stays open::
+output, usage all zero whatever ``usage`` says) at once. An error is one frame,
+after which the socket stays open::
 
     {"type": "error", "status": 429,
      "error": {"message": "Concurrency limit exceeded. Please try again in 1s.",
@@ -111,15 +146,16 @@ A client that closes the socket, or vanishes, mid-response frees its slot at
 once. ``stats()`` counts ``websockets`` open and ``websockets_opened``.
 
 The handshake's ``x-fake-*`` headers apply to every response of its socket
-(all but ``reset-after``, ``gzip``, ``encoding`` and ``ratelimit-headers``,
-which are ignored). A frame may carry ``"x_fake": {...}``, the same knobs by
-their names without ``x-fake-`` (``{"chunks": 3, "delay-ms": 10}``), over the
-handshake's (null unsets one). ``status`` sends an error frame with that status
-once admitted. ``stream-error`` sends, after the first delta, ``response.failed``
-(form ``failed``) or the frame ``{"type": "error", "status": S, "error":
-{"type": T, "code": T, "message": ...}}`` (form ``event``; S is 429 when T
-contains ``rate_limit``, 503 when it contains ``overloaded``, else 500); then
-the response ends. WebSocket-only knobs (in a frame by these names, on the
+(all but ``reset-after``, ``gzip``, ``encoding``, ``ratelimit-headers`` and
+``usage-deltas``, which are ignored). A frame may carry ``"x_fake": {...}``,
+the same knobs by their names without ``x-fake-`` (``{"chunks": 3,
+"delay-ms": 10}``; ``usage`` as a JSON object, ``{"usage": {"input": 900,
+"cached": 512}}``), over the handshake's (null unsets one). ``status`` sends an
+error frame with that status once admitted. ``stream-error`` sends, after the
+first delta, ``response.failed`` (form ``failed``) or the frame ``{"type":
+"error", "status": S, "error": {"type": T, "code": T, "message": ...}}`` (form
+``event``; S is 429 when T contains ``rate_limit``, 503 when it contains
+``overloaded``, else 500); then the response ends. WebSocket-only knobs (in a frame by these names, on the
 handshake as ``x-fake-close-after`` and ``x-fake-drop-after``; not both):
 
 ==============================  ===============================================
@@ -198,6 +234,7 @@ _RATE_LIMIT_MESSAGE = (
 _STREAM_ERROR_FORMS = frozenset({"failed", "event"})
 _ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_USAGE_FIGURES = ("input", "cached", "cache_write", "output", "reasoning")
 
 
 def _compact(data: Any) -> str:
@@ -291,8 +328,41 @@ class _WindowState:
 
 
 @dataclass(frozen=True)
+class _Usage:
+    """The token figures one answer reports, normalised; each API states them in its own shape.
+
+    ``input`` is all input (``cached`` and ``cache_write`` included); ``output``
+    includes ``reasoning``.
+    """
+
+    input: int
+    cached: int
+    cache_write: int
+    output: int
+    reasoning: int
+
+    def check(self) -> None:
+        """Raise ValueError unless every API's shape can state these figures."""
+        if self.cached + self.cache_write > self.input:
+            raise ValueError(
+                f"x-fake-usage: cached + cache_write ({self.cached} + {self.cache_write}) must not exceed input "
+                f"({self.input}; by default the body's size // 4)"
+            )
+        if self.reasoning > self.output:
+            raise ValueError(
+                f"x-fake-usage: reasoning ({self.reasoning}) must not exceed output "
+                f"({self.output}; by default the chunks)"
+            )
+
+
+@dataclass(frozen=True)
 class _Reply:
-    """What one answer is about: its id, model, size and the prompt's token estimate."""
+    """What one answer is about: its id, model, size, the prompt's token estimate and the usage to report.
+
+    ``usage_override`` holds the figures ``x-fake-usage`` set; the others are
+    ``prompt_tokens`` (input), ``chunks`` (output) and 0. ``usage_deltas`` is
+    the number of Anthropic ``message_delta`` events.
+    """
 
     id: str
     model: str
@@ -301,10 +371,17 @@ class _Reply:
     prompt_tokens: int
     stream: bool
     include_usage: bool
+    usage_override: Mapping[str, int] = field(default_factory=dict)
+    usage_deltas: int = 1
 
     @property
     def text(self) -> str:
         return "".join(_piece(i) for i in range(self.chunks))
+
+    @property
+    def usage(self) -> _Usage:
+        figures = {"input": self.prompt_tokens, "cached": 0, "cache_write": 0, "output": self.chunks, "reasoning": 0}
+        return _Usage(**(figures | dict(self.usage_override)))
 
 
 class _Dialect(ABC):
@@ -335,12 +412,22 @@ class _Dialect(ABC):
         """The in-stream error sent after chunk ``after``; ``form`` matters to the Responses API only."""
         return _sse({"error": {"code": kind, "message": f"In-stream error: {kind}"}})
 
-    def usage(self, reply: _Reply) -> dict[str, int]:
+    def usage(self, reply: _Reply) -> dict[str, Any]:
+        """OpenAI's usage object (chat and completions)."""
+        usage = reply.usage
         return {
-            "prompt_tokens": reply.prompt_tokens,
-            "completion_tokens": reply.chunks,
-            "total_tokens": reply.prompt_tokens + reply.chunks,
+            "prompt_tokens": usage.input,
+            "completion_tokens": usage.output,
+            "total_tokens": usage.input + usage.output,
+            "prompt_tokens_details": {"cached_tokens": usage.cached},
+            "completion_tokens_details": {"reasoning_tokens": usage.reasoning},
         }
+
+    @staticmethod
+    def null_usage(reply: _Reply) -> dict[str, Any]:
+        """``"usage": null``, which OpenAI puts on every chunk but the last when the client asked
+        ``stream_options.include_usage``; else nothing."""
+        return {"usage": None} if reply.include_usage else {}
 
     def window_headers(self, window: _WindowState, *, unified: bool) -> dict[str, str]:
         """The headers announcing ``window``; ``unified`` matters to Anthropic only."""
@@ -368,11 +455,11 @@ class _ChatDialect(_Dialect):
     def chunk(self, reply: _Reply, index: int) -> bytes:
         delta = {"content": _piece(index)} | ({"role": "assistant"} if index == 0 else {})
         choice = {"index": 0, "delta": delta, "finish_reason": None}
-        return _sse(self._envelope(reply, "chat.completion.chunk", [choice]))
+        return _sse(self._envelope(reply, "chat.completion.chunk", [choice]) | self.null_usage(reply))
 
     def closing(self, reply: _Reply) -> list[bytes]:
         last = {"index": 0, "delta": {}, "finish_reason": "stop"}
-        events = [_sse(self._envelope(reply, "chat.completion.chunk", [last]))]
+        events = [_sse(self._envelope(reply, "chat.completion.chunk", [last]) | self.null_usage(reply))]
         if reply.include_usage:
             usage = self._envelope(reply, "chat.completion.chunk", []) | {"usage": self.usage(reply)}
             events.append(_sse(usage))
@@ -394,24 +481,27 @@ class _CompletionDialect(_Dialect):
 
     def full_body(self, reply: _Reply) -> dict[str, Any]:
         choice = {"index": 0, "text": reply.text, "finish_reason": "stop", "logprobs": None}
-        return self._envelope(reply, choice) | {"usage": self.usage(reply)}
+        return self._envelope(reply, [choice]) | {"usage": self.usage(reply)}
 
     def chunk(self, reply: _Reply, index: int) -> bytes:
         choice = {"index": 0, "text": _piece(index), "finish_reason": None, "logprobs": None}
-        return _sse(self._envelope(reply, choice))
+        return _sse(self._envelope(reply, [choice]) | self.null_usage(reply))
 
     def closing(self, reply: _Reply) -> list[bytes]:
         last = {"index": 0, "text": "", "finish_reason": "stop", "logprobs": None}
-        return [_sse(self._envelope(reply, last)), _sse("[DONE]")]
+        events = [_sse(self._envelope(reply, [last]) | self.null_usage(reply))]
+        if reply.include_usage:
+            events.append(_sse(self._envelope(reply, []) | {"usage": self.usage(reply)}))
+        return [*events, _sse("[DONE]")]
 
     @staticmethod
-    def _envelope(reply: _Reply, choice: dict[str, Any]) -> dict[str, Any]:
+    def _envelope(reply: _Reply, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": reply.id,
             "object": "text_completion",
             "created": reply.created,
             "model": reply.model,
-            "choices": [choice],
+            "choices": choices,
         }
 
 
@@ -425,7 +515,7 @@ class _MessagesDialect(_Dialect):
         return {"type": "error", "error": {"type": code or self.error_type(status), "message": message}}
 
     def full_body(self, reply: _Reply) -> dict[str, Any]:
-        return self._message(reply, [{"type": "text", "text": reply.text}], "end_turn", reply.chunks)
+        return self._message(reply, [{"type": "text", "text": reply.text}], "end_turn", reply.usage.output)
 
     def opening(self, reply: _Reply) -> list[bytes]:
         start = {"type": "message_start", "message": self._message(reply, [], None, 1)}
@@ -437,14 +527,20 @@ class _MessagesDialect(_Dialect):
         return _sse({"type": "content_block_delta", "index": 0, "delta": text}, "content_block_delta")
 
     def closing(self, reply: _Reply) -> list[bytes]:
-        delta = {
-            "type": "message_delta",
-            "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-            "usage": {"output_tokens": reply.chunks},
-        }
+        """The block's stop, ``usage_deltas`` message_deltas (cumulative output, the stop reason on the last
+        alone), then message_stop."""
+        output, count = reply.usage.output, reply.usage_deltas
+        deltas = [
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": "end_turn" if k == count else None, "stop_sequence": None},
+                "usage": {"output_tokens": output if k == count else round(output * k / count)},
+            }
+            for k in range(1, count + 1)
+        ]
         return [
             _sse({"type": "content_block_stop", "index": 0}, "content_block_stop"),
-            _sse(delta, "message_delta"),
+            *(_sse(delta, "message_delta") for delta in deltas),
             _sse({"type": "message_stop"}, "message_stop"),
         ]
 
@@ -470,6 +566,7 @@ class _MessagesDialect(_Dialect):
 
     @staticmethod
     def _message(reply: _Reply, content: list[dict[str, Any]], stop: str | None, out: int) -> dict[str, Any]:
+        usage = reply.usage
         return {
             "id": reply.id,
             "type": "message",
@@ -478,7 +575,12 @@ class _MessagesDialect(_Dialect):
             "content": content,
             "stop_reason": stop,
             "stop_sequence": None,
-            "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": out},
+            "usage": {
+                "input_tokens": usage.input - usage.cached - usage.cache_write,
+                "cache_creation_input_tokens": usage.cache_write,
+                "cache_read_input_tokens": usage.cached,
+                "output_tokens": out,
+            },
         }
 
 
@@ -547,7 +649,7 @@ class _ResponsesDialect(_Dialect):
 
     def warmup_events(self, reply: _Reply) -> list[dict[str, Any]]:
         """A warm-up's answer (``"generate": false``): created, then completed with no output and no usage."""
-        empty = replace(reply, chunks=0, prompt_tokens=0)
+        empty = replace(reply, chunks=0, prompt_tokens=0, usage_override={})
         done = self._response(empty, "completed", [], usage=self.responses_usage(empty))
         return [
             self._event(0, "response.created", response=self._response(empty, "in_progress", [])),
@@ -556,12 +658,13 @@ class _ResponsesDialect(_Dialect):
 
     @staticmethod
     def responses_usage(reply: _Reply) -> dict[str, Any]:
+        usage = reply.usage
         return {
-            "input_tokens": reply.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": reply.chunks,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": reply.prompt_tokens + reply.chunks,
+            "input_tokens": usage.input,
+            "input_tokens_details": {"cached_tokens": usage.cached},
+            "output_tokens": usage.output,
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning},
+            "total_tokens": usage.input + usage.output,
         }
 
     @staticmethod
@@ -703,6 +806,27 @@ def _header_object(headers: Mapping[str, str], name: str) -> dict[str, str]:
     return value
 
 
+def _usage_object(headers: Mapping[str, str]) -> dict[str, int]:
+    """The token figures ``x-fake-usage`` sets: a JSON object of ``_USAGE_FIGURES`` to integers >= 0."""
+    name = "x-fake-usage"
+    raw = headers.get(name)
+    if raw is None:
+        return {}
+    try:
+        decoded = json.loads(raw)
+    except ValueError:
+        decoded = None
+    value: dict[str, Any] | None = decoded if isinstance(decoded, dict) else None
+    if value is None:
+        raise ValueError(f"{name} must be a JSON object of token figures ({', '.join(_USAGE_FIGURES)}), got {raw!r}")
+    for figure, count in value.items():
+        if figure not in _USAGE_FIGURES:
+            raise ValueError(f"{name} has no figure {figure!r}; the figures are {', '.join(_USAGE_FIGURES)}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"{name}: {figure} must be an integer >= 0, got {_compact(count)}")
+    return value
+
+
 @dataclass(frozen=True)
 class _Knobs:
     """The fault-injection headers of one request, validated."""
@@ -719,6 +843,8 @@ class _Knobs:
     chunks: int
     delay_ms: float
     ratelimit_headers: dict[str, str]
+    usage: dict[str, int]
+    usage_deltas: int
 
     @classmethod
     def parse(cls, headers: Mapping[str, str], fake: FakeUpstream) -> _Knobs:
@@ -737,6 +863,8 @@ class _Knobs:
             chunks=fake.chunks if chunks is None else chunks,
             delay_ms=fake.delay_ms if delay is None else delay,
             ratelimit_headers=_header_object(headers, "x-fake-ratelimit-headers"),
+            usage=_usage_object(headers),
+            usage_deltas=_number_header(headers, "x-fake-usage-deltas", int, 1, "an integer >= 1") or 1,
         )
 
 
@@ -906,6 +1034,8 @@ class FakeUpstream:
         self._record(request.headers, body, key, request.headers.get("x-fake-tag"))
         try:
             knobs = _Knobs.parse(request.headers, self)
+            reply = self._reply(dialect, body, size, knobs)
+            reply.usage.check()
         except ValueError as exc:
             return web.json_response(dialect.error_body(400, str(exc)), status=400)
         window = self._window(key)
@@ -917,7 +1047,7 @@ class FakeUpstream:
         self._admit(key, window)
         headers = self._headers(dialect, window, knobs)
         try:
-            return await self._answer(request, dialect, knobs, self._reply(dialect, body, size, knobs), key, headers)
+            return await self._answer(request, dialect, knobs, reply, key, headers)
         finally:
             self._schedule_release(key)
 
@@ -999,6 +1129,8 @@ class FakeUpstream:
             prompt_tokens=max(1, size // 4),
             stream=body.get("stream") is True,
             include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+            usage_override=knobs.usage,
+            usage_deltas=knobs.usage_deltas,
         )
 
     def _error(
@@ -1141,13 +1273,19 @@ class FakeUpstream:
 _KNOB_PREFIX = "x-fake-"
 _SOCKET_KNOBS = frozenset({
     "chunks", "delay-ms", "stall-ms", "status", "no-retry-after", "error-code", "tag",
-    "stream-error", "stream-error-form", "close-after", "drop-after",
+    "stream-error", "stream-error-form", "close-after", "drop-after", "usage",
 })
+_OBJECT_KNOBS = frozenset({"usage"})
+"""Frame knobs given as a JSON object (their header holds its JSON text)."""
 _REFUSAL_STATUSES = (200, 599)
 
 
 def _knob_text(name: str, value: Any) -> str:
     """A frame knob's JSON value as the header value it stands for."""
+    if name in _OBJECT_KNOBS:
+        if isinstance(value, dict):
+            return _compact(value)
+        raise ValueError(f"x_fake.{name} must be a JSON object, got {_compact(value)}")
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, str | int | float):
@@ -1315,8 +1453,12 @@ class _ResponsesSocket:
         body = frame["response"] if isinstance(frame.get("response"), dict) else frame
         frame_knobs = frame.get("x_fake")
         fake._record(self.headers, body, key, _socket_tag(self.headers, frame_knobs))
+        warmup = body.get("generate") is False
         try:
             knobs = _SocketKnobs.parse(_socket_knob_headers(self.headers, frame_knobs), fake)
+            reply = fake._reply(self.dialect, body, size, knobs)
+            if not warmup:  # a warm-up reports no usage, whatever the knob says
+                reply.usage.check()
         except (TypeError, ValueError) as exc:
             await self._send_error(400, str(exc))
             return None
@@ -1329,7 +1471,7 @@ class _ResponsesSocket:
             return None
         fake._admit(key, window)
         try:
-            return await self._answer(knobs, fake._reply(self.dialect, body, size, knobs), body.get("generate") is False)
+            return await self._answer(knobs, reply, warmup)
         finally:
             fake._schedule_release(key)
 

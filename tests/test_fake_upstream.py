@@ -638,12 +638,233 @@ async def test_per_request_chunks_and_delay(up: Upstream) -> None:
                                           ("x_fake_ratelimit_headers", '["x-a", "1"]'),
                                           ("x_fake_ratelimit_headers", '{"x-a": 1}'),
                                           ("x_fake_ratelimit_headers", '{"x a": "1"}'),
-                                          ("x_fake_ratelimit_headers", '{"x-a": "1\\r\\nx-b: 2"}')])
+                                          ("x_fake_ratelimit_headers", '{"x-a": "1\\r\\nx-b: 2"}'),
+                                          ("x_fake_usage", "{not json"),
+                                          ("x_fake_usage", "[1, 2]"),
+                                          ("x_fake_usage", '{"prompt_tokens": 1}'),
+                                          ("x_fake_usage", '{"input": -1}'),
+                                          ("x_fake_usage", '{"input": 1.5}'),
+                                          ("x_fake_usage", '{"output": true}'),
+                                          ("x_fake_usage", '{"input": "9"}'),
+                                          ("x_fake_usage", '{"input": 10, "cached": 8, "cache_write": 3}'),
+                                          ("x_fake_usage", '{"cached": 100000}'),
+                                          ("x_fake_usage", '{"output": 2, "reasoning": 3}'),
+                                          ("x_fake_usage_deltas", "0")])
 async def test_bad_knob_is_a_400(up: Upstream, header: str, value: str) -> None:
     async with up.post(CHAT, CHAT_BODY, **{header: value}) as resp:
         assert resp.status == 400
         assert header.replace("_", "-") in (await resp.json())["error"]["message"]
     assert up.fake.active == 0
+
+
+# --- the usage knob: x-fake-usage, x-fake-usage-deltas -----------------------------------------
+
+COMPLETIONS = "/v1/completions"
+COMPLETIONS_BODY = {"model": "m", "prompt": "hi"}
+INCLUDE_USAGE = {"stream": True, "stream_options": {"include_usage": True}}
+USAGE = {"input": 900, "cached": 512, "cache_write": 64, "output": 40, "reasoning": 16}
+USAGE_KNOB = {"x_fake_usage": json.dumps(USAGE)}
+OPENAI_USAGE = {
+    "prompt_tokens": 900, "completion_tokens": 40, "total_tokens": 940,
+    "prompt_tokens_details": {"cached_tokens": 512}, "completion_tokens_details": {"reasoning_tokens": 16},
+}
+RESPONSES_USAGE = {
+    "input_tokens": 900, "input_tokens_details": {"cached_tokens": 512},
+    "output_tokens": 40, "output_tokens_details": {"reasoning_tokens": 16}, "total_tokens": 940,
+}
+ANTHROPIC_USAGE = {
+    "input_tokens": 900 - 512 - 64, "cache_creation_input_tokens": 64, "cache_read_input_tokens": 512,
+    "output_tokens": 40,
+}
+NATIVE_USAGE = [(CHAT, CHAT_BODY, OPENAI_USAGE), (COMPLETIONS, COMPLETIONS_BODY, OPENAI_USAGE),
+                (RESPONSES, RESPONSES_BODY, RESPONSES_USAGE), (MESSAGES, MESSAGES_BODY, ANTHROPIC_USAGE)]
+
+
+def sse_parsed(text: bytes) -> list[tuple[str | None, Any]]:
+    """(event name, parsed data) pairs of a whole SSE body; ``[DONE]`` stays a string."""
+    events: list[tuple[str | None, Any]] = []
+    for block in text.decode().split("\n\n"):
+        lines = block.splitlines()
+        name = next((line[len("event: "):] for line in lines if line.startswith("event: ")), None)
+        for line in lines:
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append((name, data if data == "[DONE]" else json.loads(data)))
+    return events
+
+
+async def stream_of(up: Upstream, path: str, body: dict[str, Any], **headers: str) -> list[tuple[str | None, Any]]:
+    async with up.post(path, body, **headers) as resp:
+        assert resp.status == 200
+        return sse_parsed(await resp.read())
+
+
+def body_tokens(body: dict[str, Any]) -> int:
+    """The input the fake reports by default: the body's size (as aiohttp sends it) // 4, at least 1."""
+    return max(1, len(json.dumps(body).encode()) // 4)
+
+
+@pytest.mark.parametrize("path,body,native", NATIVE_USAGE)
+async def test_usage_knob_sets_each_json_answers_native_usage(
+    up: Upstream, path: str, body: dict[str, Any], native: dict[str, int]
+) -> None:
+    async with up.post(path, body, **USAGE_KNOB) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["usage"] == native
+
+
+@pytest.mark.parametrize("path,body,native", NATIVE_USAGE)
+async def test_usage_knob_in_a_gzipped_json_answer(
+    up: Upstream, path: str, body: dict[str, Any], native: dict[str, int]
+) -> None:
+    async with up.post(path, body, x_fake_gzip="1", **USAGE_KNOB) as resp:
+        assert resp.headers["Content-Encoding"] == "gzip"
+        raw = await resp.read()
+    assert json.loads(gzip.decompress(raw))["usage"] == native
+
+
+async def test_usage_knob_reaches_the_sdks(up: Upstream) -> None:
+    headers = {"x-fake-usage": json.dumps(USAGE)}
+    async with openai_client(up) as oai, anthropic_client(up) as ant:
+        completion = await oai.chat.completions.create(**CHAT_BODY, extra_headers=headers)
+        response = await oai.responses.create(**RESPONSES_BODY, extra_headers=headers)
+        async with ant.messages.stream(**MESSAGES_BODY, extra_headers=headers | {"x-fake-usage-deltas": "3"}) as stream:
+            message = await stream.get_final_message()
+    assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+    assert completion.usage.completion_tokens_details is not None
+    assert (completion.usage.prompt_tokens, completion.usage.prompt_tokens_details.cached_tokens,
+            completion.usage.completion_tokens, completion.usage.completion_tokens_details.reasoning_tokens) == \
+        (900, 512, 40, 16)
+    assert response.usage is not None
+    assert (response.usage.input_tokens, response.usage.input_tokens_details.cached_tokens,
+            response.usage.output_tokens, response.usage.output_tokens_details.reasoning_tokens) == (900, 512, 40, 16)
+    assert (message.usage.input_tokens, message.usage.cache_creation_input_tokens,
+            message.usage.cache_read_input_tokens, message.usage.output_tokens) == (324, 64, 512, 40)
+    assert message.stop_reason == "end_turn"
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, CHAT_BODY), (COMPLETIONS, COMPLETIONS_BODY)])
+async def test_usage_knob_in_an_openai_stream_with_include_usage(
+    up: Upstream, path: str, body: dict[str, Any]
+) -> None:
+    events = await stream_of(up, path, body | INCLUDE_USAGE, **USAGE_KNOB)
+    *chunks, final, done = [data for _, data in events]
+    assert done == "[DONE]"
+    assert len(chunks) == 4 and all(chunk["usage"] is None for chunk in chunks)
+    assert final["choices"] == [] and final["usage"] == OPENAI_USAGE
+    assert final["id"] == chunks[0]["id"]
+
+
+@pytest.mark.parametrize("path,body", [(CHAT, CHAT_BODY), (COMPLETIONS, COMPLETIONS_BODY)])
+async def test_an_openai_stream_without_include_usage_states_no_usage(
+    up: Upstream, path: str, body: dict[str, Any]
+) -> None:
+    async with up.post(path, body | {"stream": True, "stream_options": {"include_usage": False}},
+                       **USAGE_KNOB) as resp:
+        raw = await resp.read()
+    events = [data for _, data in sse_parsed(raw)]
+    assert events[-1] == "[DONE]" and len(events) == 5
+    assert all("usage" not in chunk and chunk["choices"] for chunk in events[:-1])
+    assert b"tokens" not in raw
+
+
+async def test_usage_knob_in_a_responses_stream(up: Upstream) -> None:
+    events = await stream_of(up, RESPONSES, RESPONSES_BODY | {"stream": True}, **USAGE_KNOB)
+    assert [name for name, _ in events] == RESPONSES_EVENTS
+    usages = {data["type"]: data["response"]["usage"] for _, data in events if "response" in data}
+    assert usages == {"response.created": None, "response.in_progress": None,
+                      "response.completed": RESPONSES_USAGE}
+
+
+async def test_usage_knob_in_an_anthropic_stream_with_three_deltas(up: Upstream) -> None:
+    events = await stream_of(up, MESSAGES, MESSAGES_BODY | {"stream": True}, x_fake_usage_deltas="3", **USAGE_KNOB)
+    assert [name for name, _ in events] == [
+        "message_start", "content_block_start", *["content_block_delta"] * 3,
+        "content_block_stop", *["message_delta"] * 3, "message_stop",
+    ]
+    assert events[0][1]["message"]["usage"] == ANTHROPIC_USAGE | {"output_tokens": 1}
+    deltas = [data for name, data in events if name == "message_delta"]
+    assert [delta["usage"] for delta in deltas] == [{"output_tokens": 13}, {"output_tokens": 27}, {"output_tokens": 40}]
+    assert [delta["delta"] for delta in deltas] == [{"stop_reason": None, "stop_sequence": None}] * 2 + [
+        {"stop_reason": "end_turn", "stop_sequence": None}]
+
+
+async def test_usage_deltas_grow_to_the_output_and_default_to_one(up: Upstream) -> None:
+    body = MESSAGES_BODY | {"stream": True}
+    for deltas, expected in [("1", [7]), ("2", [4, 7]), ("4", [2, 4, 5, 7]), ("9", [1, 2, 2, 3, 4, 5, 5, 6, 7])]:
+        events = await stream_of(up, MESSAGES, body, x_fake_usage='{"output": 7}', x_fake_usage_deltas=deltas)
+        assert [data["usage"]["output_tokens"] for name, data in events if name == "message_delta"] == expected
+    events = await stream_of(up, MESSAGES, body, x_fake_usage='{"output": 0}')
+    assert [data["usage"] for name, data in events if name == "message_delta"] == [{"output_tokens": 0}]
+
+
+@pytest.mark.parametrize("path,body,native", NATIVE_USAGE)
+async def test_usage_knob_in_a_gzip_encoded_stream(
+    up: Upstream, path: str, body: dict[str, Any], native: dict[str, int]
+) -> None:
+    async with up.post(path, body | INCLUDE_USAGE, x_fake_encoding="gzip", x_fake_usage_deltas="2",
+                       **USAGE_KNOB) as resp:
+        assert resp.headers["Content-Encoding"] == "gzip"
+        events = [data for _, data in sse_parsed(gzip.decompress(await resp.read()))]
+    if path == MESSAGES:
+        assert events[0]["message"]["usage"] == native | {"output_tokens": 1}
+        deltas = [e["usage"] for e in events if e["type"] == "message_delta"]
+        assert deltas == [{"output_tokens": 20}, {"output_tokens": 40}]
+    elif path == RESPONSES:
+        assert events[-1]["type"] == "response.completed" and events[-1]["response"]["usage"] == native
+    else:
+        assert events[-2]["usage"] == native and all(e["usage"] is None for e in events[:-2])
+
+
+async def test_without_the_knob_usage_is_the_body_size_and_the_chunks(up: Upstream) -> None:
+    async with up.post(CHAT, CHAT_BODY) as resp:
+        chat = (await resp.json())["usage"]
+    tokens = body_tokens(CHAT_BODY)
+    assert chat == {"prompt_tokens": tokens, "completion_tokens": 3, "total_tokens": tokens + 3,
+                    "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}}
+    async with up.post(MESSAGES, MESSAGES_BODY) as resp:
+        messages = (await resp.json())["usage"]
+    assert messages == {"input_tokens": body_tokens(MESSAGES_BODY), "cache_creation_input_tokens": 0,
+                        "cache_read_input_tokens": 0, "output_tokens": 3}
+    events = await stream_of(up, RESPONSES, RESPONSES_BODY | {"stream": True})
+    tokens = body_tokens(RESPONSES_BODY | {"stream": True})
+    assert events[-1][1]["response"]["usage"] == {
+        "input_tokens": tokens, "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 3, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": tokens + 3,
+    }
+
+
+async def test_usage_knob_figures_left_out_keep_their_defaults(up: Upstream) -> None:
+    async with up.post(CHAT, CHAT_BODY, x_fake_usage='{"cached": 2, "reasoning": 1}', x_fake_chunks="4") as resp:
+        chat = (await resp.json())["usage"]
+    tokens = body_tokens(CHAT_BODY)
+    assert chat == {"prompt_tokens": tokens, "completion_tokens": 4, "total_tokens": tokens + 4,
+                    "prompt_tokens_details": {"cached_tokens": 2}, "completion_tokens_details": {"reasoning_tokens": 1}}
+    async with up.post(MESSAGES, MESSAGES_BODY, x_fake_usage='{"cache_write": 3, "output": 0}') as resp:
+        messages = (await resp.json())
+    assert messages["usage"] == {"input_tokens": body_tokens(MESSAGES_BODY) - 3, "cache_creation_input_tokens": 3,
+                                 "cache_read_input_tokens": 0, "output_tokens": 0}
+    assert messages["content"][0]["text"] == "tok0 tok1 tok2 "
+    async with up.post(RESPONSES, RESPONSES_BODY, x_fake_usage="{}") as resp:
+        assert (await resp.json())["usage"]["input_tokens"] == body_tokens(RESPONSES_BODY)
+
+
+async def test_a_bad_usage_knob_gets_the_routes_error_shape(up: Upstream) -> None:
+    async with up.post(MESSAGES, MESSAGES_BODY, x_fake_usage='{"input": 5, "cached": 6}') as resp:
+        assert resp.status == 400
+        assert await resp.json() == {"type": "error", "error": {
+            "type": "invalid_request_error",
+            "message": "x-fake-usage: cached + cache_write (6 + 0) must not exceed input "
+                       "(5; by default the body's size // 4)",
+        }}
+    async with up.post(RESPONSES, RESPONSES_BODY, x_fake_usage='{"tokens": 5}') as resp:
+        assert resp.status == 400
+        assert (await resp.json())["error"] == {
+            "type": "invalid_request_error", "code": "invalid_request_error",
+            "message": "x-fake-usage has no figure 'tokens'; the figures are input, cached, cache_write, output, "
+                       "reasoning",
+        }
+    assert (up.fake.requests, up.fake.completed, up.fake.max_concurrency) == (2, 0, 0)
 
 
 # --- keys, per-key caps, the request window, rate-limit headers -------------------------------

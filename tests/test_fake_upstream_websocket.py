@@ -427,6 +427,12 @@ async def test_a_client_leaving_mid_response_frees_the_slot_at_once(up: Upstream
     ({"chunks": [3]}, "x_fake.chunks must be a string, a number or a boolean, got [3]"),
     ({"chunk": 3}, "x_fake has no knob 'chunk'; the knobs are "),
     ([1], "x_fake must be a JSON object, got [1]"),
+    ({"usage": [1]}, "x_fake.usage must be a JSON object, got [1]"),
+    ({"usage": '{"input": 5}'}, 'x_fake.usage must be a JSON object, got "{\\"input\\": 5}"'),
+    ({"usage": {"input": -1}}, "x-fake-usage: input must be an integer >= 0, got -1"),
+    ({"usage": {"inputs": 1}}, "x-fake-usage has no figure 'inputs'; the figures are input, cached, "),
+    ({"usage": {"output": 1, "reasoning": 2}}, "x-fake-usage: reasoning (2) must not exceed output (1; "),
+    ({"usage-deltas": 2}, "x_fake has no knob 'usage-deltas'"),
 ])
 async def test_bad_knobs_get_a_400_frame_and_the_socket_stays_open(
     up: Upstream, knobs: Any, message: str
@@ -437,6 +443,51 @@ async def test_bad_knobs_get_a_400_frame_and_the_socket_stays_open(
     assert (error["type"], error["status"], error["error"]["type"]) == ("error", 400, "invalid_request_error")
     assert error["error"]["message"].startswith(message)
     assert (up.fake.requests, up.fake.completed, up.fake.max_concurrency) == (2, 1, 1)
+
+
+USAGE = {"input": 900, "cached": 512, "cache_write": 64, "output": 40, "reasoning": 16}
+RESPONSES_USAGE = {
+    "input_tokens": 900, "input_tokens_details": {"cached_tokens": 512},
+    "output_tokens": 40, "output_tokens_details": {"reasoning_tokens": 16}, "total_tokens": 940,
+}
+
+
+def usages(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``usage`` of each event carrying a ``response``, by the event's type."""
+    return {event["type"]: event["response"]["usage"] for event in events if "response" in event}
+
+
+async def test_usage_knob_on_the_handshake_and_in_a_frame(up: Upstream) -> None:
+    # usage-deltas (Anthropic's) is no socket knob: the handshake's, even a bad one, is ignored.
+    async with up.connect(x_fake_usage=json.dumps(USAGE), x_fake_usage_deltas="0") as ws:
+        first = await answer(ws)
+        second = await answer(ws, x_fake={"usage": {"input": 7, "output": 2}, "chunks": 2})
+        third = await answer(ws, x_fake={"usage": None, "chunks": 1})
+    assert usages(first) == {"response.created": None, "response.in_progress": None,
+                             "response.completed": RESPONSES_USAGE}
+    assert usages(second)["response.completed"] == {
+        "input_tokens": 7, "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 2, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 9,
+    }
+    done = usages(third)["response.completed"]
+    assert (done["input_tokens_details"], done["output_tokens"], done["output_tokens_details"]) == \
+        ({"cached_tokens": 0}, 1, {"reasoning_tokens": 0})
+    assert done["input_tokens"] > 0 and done["total_tokens"] == done["input_tokens"] + 1
+
+
+async def test_a_warmup_reports_zero_usage_whatever_the_knob_says(up: Upstream) -> None:
+    async with up.connect(x_fake_usage='{"cached": 100000}') as ws:
+        warmup = await answer(ws, generate=False)
+        [error] = await answer(ws)
+        fitting = await answer(ws, x_fake={"usage": {"input": 100000, "cached": 100000}})
+    assert usages(warmup) == {"response.created": None, "response.completed": {
+        "input_tokens": 0, "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0,
+    }}
+    assert (error["status"], error["error"]["type"]) == (400, "invalid_request_error")
+    assert error["error"]["message"].startswith("x-fake-usage: cached + cache_write (100000 + 0) must not exceed")
+    assert usages(fitting)["response.completed"]["input_tokens_details"] == {"cached_tokens": 100000}
+    assert (up.fake.requests, up.fake.completed) == (3, 2)
 
 
 async def test_a_bad_handshake_knob_gets_a_400_frame_per_response(up: Upstream) -> None:
