@@ -81,8 +81,9 @@ def raise_open_files_limit() -> tuple[int, int]:
 
 
 def connection_cap(max_connections: int, open_files: int) -> int:
-    """Client connections the open-files limit leaves room for: each may need an upstream one too."""
-    return max(16, min(max_connections, (open_files - _FDS_RESERVED) // 2))
+    """``server.max_connections`` as written, lowered to what the open-files limit leaves room for (each
+    client connection may need an upstream one too), that lowering never below 16."""
+    return min(max_connections, max(16, (open_files - _FDS_RESERVED) // 2))
 
 
 @dataclass(slots=True)

@@ -531,6 +531,7 @@ def summary(options: DemoOptions, snap: Snapshot, tally: Tally, wall: float) -> 
 def proxy_yaml(upstream_port: int, cap: int) -> str:
     return (
         "state: {path: null}\n"
+        "ledger: {path: null}\n"
         "providers:\n"
         f"  {PROVIDER}:\n"
         f"    upstream: http://{HOST}:{upstream_port}/v1\n"
@@ -578,12 +579,18 @@ class _Demo:
 
     async def run(self) -> str:
         loop = asyncio.get_running_loop()
-        fake_runner, fake_port = await start_fake_upstream(self.fake, HOST, 0)
+        try:
+            fake_runner, fake_port = await start_fake_upstream(self.fake, HOST, 0)
+        except OSError as exc:
+            raise _bind_failed(exc) from None
         proxy_runner = None
         try:
             if self.options.use_proxy:
                 self.state = ProxyState(parse_config(proxy_yaml(fake_port, self.options.cap)))
-                proxy_runner, proxy_port = await start_server(self.state, HOST, 0)
+                try:
+                    proxy_runner, proxy_port = await start_server(self.state, HOST, 0)
+                except OSError as exc:
+                    raise _bind_failed(exc) from None
                 base_url = f"http://{HOST}:{proxy_port}/{PROVIDER}"
             else:
                 base_url = f"http://{HOST}:{fake_port}/v1"
@@ -652,7 +659,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--cap", type=_number(int, 1, 1000, "an integer 1-1000"), default=defaults.cap,
         help=f"the fake upstream's concurrency cap, and the proxy's limit (default {defaults.cap})")
     add("--no-proxy", action="store_true",
-        help="send the same fleet straight to the fake upstream, to compare")
+        help="send the same fleet straight to the fake upstream, to compare (default: through the proxy)")
+
+
+def _bind_failed(exc: OSError) -> Exception:
+    """The demo listens on HOST, on free ports: a failure to bind is one line (``BindFailed``), not a traceback."""
+    from .bind import failure
+
+    return failure(exc, HOST, 0, port_flag=None, host_flag=None) or exc
 
 
 def main(args: argparse.Namespace) -> int:

@@ -9,11 +9,13 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from aiohttp.http_exceptions import HttpProcessingError
 
-__all__ = ["JsonFormatter", "QuietParserErrors", "ReportPacer", "ThrottledLog", "mask_secrets", "setup_logging"]
+__all__ = ["BackoffLog", "JsonFormatter", "QuietParserErrors", "ReportPacer", "ThrottledLog", "mask_secrets",
+           "setup_logging"]
 
 _SECRET = re.compile(
     r"(?i)(authorization|x-api-key|api[_-]?key|token|bearer)(\"?\s*[:=]?\s*\"?)(bearer\s+)?([A-Za-z0-9._~+/=-]{8,})"
@@ -98,6 +100,160 @@ class ThrottledLog:
             return
         self._flush_pending = True
         loop.call_later(delay, self.flush)
+
+
+_EARLY = 0.001
+"""A timer may fire this much before its time by the wall clock (the loop keeps its own)."""
+
+
+class _TimerClock(Protocol):
+    """Wall-clock time in epoch seconds and one-shot timers (what ``proxy.limiter.Clock`` provides)."""
+
+    def time(self) -> float: ...
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Any: ...
+
+
+@dataclass(slots=True)
+class _LevelMark:
+    """One limit key's part of a storm: its limit before the storm and now, and its pause."""
+
+    limit_from: int | None
+    limit_to: int | None
+    paused_until: float | None
+
+
+@dataclass(slots=True)
+class _Storm:
+    started: float
+    last_event: float
+    pacer: ReportPacer
+    causes: dict[str, int] = field(default_factory=dict)
+    levels: dict[str | None, _LevelMark] = field(default_factory=dict)
+    timer: Any = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.causes.values())
+
+    def calm_at(self, interval: float) -> float:
+        """One ``interval`` with no backoff after the last one and after every pause it caused ended."""
+        pauses = [mark.paused_until for mark in self.levels.values() if mark.paused_until is not None]
+        return max([self.last_event, *pauses]) + interval
+
+
+class BackoffLog:
+    """Upstream backoffs (429s, overloads), one summary per provider instead of a line per event.
+
+    The first backoff of a storm is logged at once; while the storm goes on, at most
+    one line per ``interval`` says how many there were since it began, how each limit
+    moved and until when it is paused; once it has calmed down (no backoff for one
+    ``interval`` after the last one and after its pauses ended) one last line sums it
+    up. The metrics count every event; this is only what the log says. Both backends
+    feed it from their ``report_backoff``, so memory and Redis log alike.
+    """
+
+    def __init__(self, clock: _TimerClock, logger: logging.Logger | None = None, *, interval: float = 1.0) -> None:
+        self._clock = clock
+        self._logger = logger or logging.getLogger("slotproxy.backoff")
+        self._interval = interval
+        self._storms: dict[str, _Storm] = {}
+
+    def event(self, provider: str, cause: str, *, key: str | None = None, limit_before: int | None = None,
+              limit_after: int | None = None, paused_until: float | None = None) -> None:
+        """One backoff answer from ``provider`` (on pool key ``key``): the limit of the level it reached before
+        and after it was counted, and when that level's pause ends (epoch seconds)."""
+        now = self._clock.time()
+        storm = self._storms.get(provider)
+        first = storm is None
+        if storm is None:
+            storm = self._storms[provider] = _Storm(now, now, ReportPacer(self._interval))
+        storm.last_event = now
+        storm.causes[cause] = storm.causes.get(cause, 0) + 1
+        mark = storm.levels.get(key)
+        if mark is None:
+            storm.levels[key] = _LevelMark(limit_before, limit_after, paused_until)
+        else:
+            mark.limit_to = limit_after
+            if paused_until is not None and (mark.paused_until is None or paused_until > mark.paused_until):
+                mark.paused_until = paused_until
+        if storm.pacer.count(now) is not None:
+            self._logger.warning("%s", self._line(provider, storm, now, first=first))
+        self._arm(provider, storm, now)
+
+    def _arm(self, provider: str, storm: _Storm, now: float) -> None:
+        """Wake up when held-back events may be reported, or when the storm may have calmed down."""
+        due = storm.calm_at(self._interval)
+        flush_at = self._flush_at(storm)
+        if flush_at is not None:
+            due = min(due, flush_at)
+        if storm.timer is not None:
+            storm.timer.cancel()
+        storm.timer = self._clock.call_later(max(0.0, due - now), lambda: self._wake(provider, storm))
+
+    def _flush_at(self, storm: _Storm) -> float | None:
+        """When the events held back since the last line are reported by a line of their own: one ``interval``
+        after that line, unless the storm's last line (it calmed down) is due by then anyway."""
+        if not storm.pacer.unreported or storm.pacer.last is None:
+            return None
+        flush_at = storm.pacer.last + self._interval
+        return flush_at if storm.calm_at(self._interval) - flush_at > self._interval else None
+
+    def _wake(self, provider: str, storm: _Storm) -> None:
+        if self._storms.get(provider) is not storm:
+            return
+        storm.timer = None
+        now = self._clock.time()
+        if now >= storm.calm_at(self._interval) - _EARLY:
+            del self._storms[provider]
+            if storm.total > 1:
+                self._logger.info("%s", self._calm_line(provider, storm))
+            return
+        flush_at = self._flush_at(storm)
+        if flush_at is not None and now >= flush_at - _EARLY:
+            storm.pacer.take(now)
+            self._logger.warning("%s", self._line(provider, storm, now, first=False))
+        self._arm(provider, storm, now)
+
+    def _line(self, provider: str, storm: _Storm, now: float, *, first: bool) -> str:
+        if first:
+            head = f"upstream {next(iter(storm.causes))}"
+        else:
+            head = f"{_counts(storm.causes)} in the last {_seconds(now - storm.started)} s"
+        return "; ".join([f"{provider}: {head}", *_level_parts(storm.levels, now)])
+
+    def _calm_line(self, provider: str, storm: _Storm) -> str:
+        head = f"calm again after {_counts(storm.causes)} in {_seconds(storm.last_event - storm.started)} s"
+        return "; ".join([f"{provider}: {head}", *_level_parts(storm.levels, None)])
+
+
+def _counts(causes: dict[str, int]) -> str:
+    """``15 upstream 429s``, ``12 upstream 429s and 3 upstream overloaded_errors``."""
+    parts = [f"{count} upstream {cause}{'' if count == 1 else 's'}" for cause, count in causes.items()]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _seconds(seconds: float) -> str:
+    """Whole seconds; under one, tenths (a pause about to end is still ``0.1``, never ``0.0``)."""
+    tenths = max(1 if seconds > 0 else 0, round(seconds * 10))
+    return str(round(seconds)) if tenths >= 10 else f"{tenths / 10:.1f}"
+
+
+def _level_parts(levels: dict[str | None, _LevelMark], now: float | None) -> list[str]:
+    """Each level's limit move and pause (pauses only while they last: ``now`` None leaves them out)."""
+    parts = []
+    for key, mark in levels.items():
+        said = []
+        if mark.limit_from is not None and mark.limit_to is not None and mark.limit_from != mark.limit_to:
+            said.append(f"limit {mark.limit_from} → {mark.limit_to}")
+        if now is not None and mark.paused_until is not None and mark.paused_until > now:
+            clock_time = time.strftime("%H:%M:%S", time.localtime(mark.paused_until))
+            said.append(f"paused until {clock_time} (in {_seconds(mark.paused_until - now)} s)")
+        if key is None:
+            parts.extend(said)
+        elif said:
+            parts.append(f"key {key}: " + ", ".join(said))
+    return parts
 
 
 class _MaskingFormatter(logging.Formatter):

@@ -15,6 +15,7 @@ from aiohttp import web
 from .aio import cancel_and_wait
 from .app import start_server
 from .config import Config, ConfigError, load_config
+from .config.diff import config_changes, describe_changes
 from .connections import install_accept_error_log, raise_open_files_limit
 from .errors import ShuttingDown
 from .heap import HeapKeeper, settle_heap
@@ -68,10 +69,11 @@ class ConfigWatcher:
             self._state.config_error = f"{self._path}: " + "; ".join(exc.problems)
             log.error("config reload refused (%s); keeping the running config: %s", reason, self._state.config_error)
             return False
+        old = self._state.config
         self._warn_restart_only(config)
         self._state.apply(config)
         self._state.config_error = None
-        log.info("config reloaded (%s): providers %s", reason, ", ".join(config.provider_names()) or "none")
+        log.info("config reloaded (%s): %s", reason, describe_changes(config_changes(old, config)))
         return True
 
     def _warn_restart_only(self, config: Config) -> None:
@@ -110,7 +112,15 @@ async def _serve(config: Config, path: str, host: str, port: int) -> int:
     _raise_open_files_limit()
     install_accept_error_log(asyncio.get_running_loop())
     state = ProxyState(config, config_path=path)
-    runner, bound = await start_server(state, host, port)
+    try:
+        runner, bound = await start_server(state, host, port)
+    except OSError as exc:  # the port was free when the CLI probed it, and was taken since: still one line
+        from .bind import failure
+
+        bind_failed = failure(exc, host, port)
+        if bind_failed is None:
+            raise
+        raise bind_failed from None
     watcher = ConfigWatcher(state, path)
     watcher.start()
     loop = asyncio.get_running_loop()

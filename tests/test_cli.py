@@ -130,8 +130,10 @@ def test_readme_serve_command_runs_the_example_config_and_status_reads_it(tmp_pa
         assert json.loads(wait_http(f"http://127.0.0.1:{port}/readyz"))["ready"] is True
         table = run_cli("status", "--url", f"http://127.0.0.1:{port}")
         assert table.returncode == 0, table.stderr
-        assert table.stdout.splitlines()[0].split()[:3] == ["PROVIDER", "LIMIT", "CONFIGURED"]
-        assert any(line.startswith("openai") and " 8 " in line for line in table.stdout.splitlines())
+        lines = table.stdout.splitlines()
+        assert lines[0].startswith(f"slotproxy at http://127.0.0.1:{port}, ")
+        assert lines[2].split()[:3] == ["PROVIDER", "LIMIT", "CONFIGURED"]
+        assert any(line.startswith("openai") and " 8 " in line for line in lines)
         as_json = json.loads(run_cli("status", "--url", f"http://127.0.0.1:{port}", "--json").stdout)
         assert [p["provider"] for p in as_json["providers"]] == ["openai", "anthropic"]
     finally:
@@ -142,9 +144,11 @@ def test_readme_serve_command_runs_the_example_config_and_status_reads_it(tmp_pa
 
 
 def test_status_against_nothing_fails_clearly() -> None:
-    result = run_cli("status", "--url", f"http://127.0.0.1:{free_port()}")
-    assert result.returncode == 2
-    assert "cannot read status" in result.stderr
+    port = free_port()
+    result = run_cli("status", "--url", f"http://127.0.0.1:{port}")
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [(f"slotproxy: no slotproxy answers at http://127.0.0.1:{port} (connection "
+                                           "refused); start it with `slotproxy serve`, or pass --url")]
 
 
 def test_schema_command_prints_the_committed_schema() -> None:
@@ -170,14 +174,16 @@ def test_status_table_lists_pool_keys_and_model_caps() -> None:
         "provider": "anthropic", "limit": 8, "configured_limit": 8, "in_flight": 3, "queued": 1,
         "paused_until": None, "cooldown_ms": 0, "notice": None,
         "keys": [{"name": "team-a", "available": True, "limit": 3, "configured_limit": 4, "in_flight": 2,
-                  "paused_until": 1800000000000, "notice": "Concurrency limit auto-reduced to 3 after a 429"},
+                  "paused": True, "paused_until": 1800000000000, "notice": "Concurrency limit auto-reduced to 3 after a 429"},
                  {"name": "team-b", "available": False, "limit": 4, "configured_limit": 4, "in_flight": 0,
                   "paused_until": None, "notice": None}],
         "models": [{"pattern": "claude-opus-*", "limit": 2, "configured_limit": 2, "in_flight": 1}],
     }]}
-    lines = format_status(status).splitlines()
+    lines = format_status(status, now_ms=1800000000000 - 90_000).splitlines()
     assert lines[1].split()[:5] == ["anthropic", "8", "8", "3", "1"]
-    assert lines[2].split() == ["key", "team-a", "3", "4", "2", "-", "1800000000000", "-"]
+    assert lines[2].split()[:8] == ["key", "team-a", "3", "4", "2", "-", "paused", "until"]
+    assert lines[2].endswith(" (in 1 min 30 s)  -")
+    assert "1800000000000" not in "\n".join(lines)
     assert lines[3].split()[:3] == ["key", "team-b", "(not"]
     assert lines[4].split() == ["model", "claude-opus-*", "2", "2", "1", "-", "-", "-"]
     assert lines[5] == "! anthropic key team-a: Concurrency limit auto-reduced to 3 after a 429"

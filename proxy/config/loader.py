@@ -23,7 +23,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from proxy.config.model import Config
 from proxy.errors import ConfigError
 
-__all__ = ["MAX_YAML_DEPTH", "MAX_YAML_NODES", "load_config", "parse_config"]
+__all__ = ["MAX_YAML_DEPTH", "MAX_YAML_NODES", "beside_config", "load_config", "missing_folders", "parse_config"]
 
 MAX_YAML_NODES = 100_000
 MAX_YAML_DEPTH = 64
@@ -96,8 +96,36 @@ class _Loader(yaml.SafeLoader):
         return mapping
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read and validate a config file; ``ConfigError`` lists every problem found."""
+_PROVIDER_EXAMPLE = ("add at least one provider, e.g. providers: {openai: {upstream: 'https://api.openai.com/v1', "
+                     "api_key_env: OPENAI_API_KEY}}, or start from config.example.yaml")
+
+
+def beside_config(configured: str | None, config_path: str | os.PathLike[str] | None) -> Path | None:
+    """A path the config names (the state file's, the ledger's), relative ones taken from the config
+    file's folder, like nginx's prefix (from the working directory for a config with no file)."""
+    if configured is None:
+        return None
+    path = Path(configured)
+    if not path.is_absolute() and config_path is not None:
+        path = Path(config_path).resolve().parent / path
+    return path
+
+
+def missing_folders(config: Config, config_path: str | os.PathLike[str]) -> list[str]:
+    """The problems with the folders the config's files go in (``check`` and ``serve`` refuse to start)."""
+    ledger = beside_config(config.ledger.path, config_path)
+    if ledger is not None and not ledger.parent.is_dir():
+        problem = (f"ledger.path: the folder {ledger.parent} does not exist: create it, or set ledger.path to "
+                   "another file (null keeps no ledger)")
+        return [problem]
+    return []
+
+
+def load_config(path: str | os.PathLike[str], *, require_providers: bool = False) -> Config:
+    """Read and validate a config file; ``ConfigError`` lists every problem found.
+
+    ``require_providers`` (``check`` and ``serve``): a file with no provider, empty included, is refused.
+    """
     source = os.fspath(path)
     try:
         raw = Path(path).read_bytes()
@@ -110,11 +138,11 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"not UTF-8 text (byte {exc.start})", source=source) from exc
-    return parse_config(text, source)
+    return parse_config(text, source, require_providers=require_providers)
 
 
-def parse_config(text: str, source: str = "<string>") -> Config:
-    """Validate config text; ``ConfigError`` lists every problem found."""
+def parse_config(text: str, source: str = "<string>", *, require_providers: bool = False) -> Config:
+    """Validate config text; ``ConfigError`` lists every problem found (see ``load_config``)."""
     data, lines, problems = _read_yaml(text, source)
     if data is None:
         data = {}
@@ -124,6 +152,11 @@ def parse_config(text: str, source: str = "<string>") -> Config:
             f"not {_kind(data)}",
             source=source,
         )
+    if require_providers and data.get("providers") in (None, {}):
+        line = lines.get(("providers",))
+        what = "required key is missing" if "providers" not in data else "is empty"
+        problems.append((line, _located(("providers",), f"{what}: {_PROVIDER_EXAMPLE}", line)))
+        data = {**data, "providers": {}}
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:

@@ -37,6 +37,7 @@ __all__ = [
     "Defaults",
     "Duration",
     "Headers",
+    "Ledger",
     "Logging",
     "ModelLimit",
     "PoolKey",
@@ -59,10 +60,10 @@ __all__ = [
 RESERVED_PROVIDER_IDS = frozenset({"metrics", "healthz", "readyz"})
 
 _NUMBER = r"\d+(?:\.\d+)?"
-_DURATION_TEXT = re.compile(rf"(?:{_NUMBER}(?:ms|s|m|h))+")
-_DURATION_PART = re.compile(rf"({_NUMBER})(ms|s|m|h)")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-_DURATION_HINT = "must be a duration such as 250ms, 30s, 5m or 1h"
+_DURATION_TEXT = re.compile(rf"(?:{_NUMBER}(?:ms|s|m|h|d))+")
+_DURATION_PART = re.compile(rf"({_NUMBER})(ms|s|m|h|d)")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_HINT = "must be a duration such as 250ms, 30s, 5m, 1h or 30d"
 
 _SIZE_TEXT = re.compile(rf"({_NUMBER})\s*([KMGT]i?B|B)?", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -121,14 +122,14 @@ def _positive_duration(value: object) -> float:
 
 
 def format_duration(seconds: float) -> str:
-    """The shortest exact spelling: ``0s``, ``250ms``, ``1.5s``, ``90s``, ``5m``, ``1h``."""
+    """The shortest exact spelling: ``0s``, ``250ms``, ``1.5s``, ``90s``, ``5m``, ``1h``, ``30d``."""
     ms = seconds * 1000
     if abs(ms - round(ms)) > 1e-6:
         return f"{seconds:g}s"
     whole_ms = round(ms)
     if whole_ms == 0:
         return "0s"
-    for unit, size in (("h", 3_600_000), ("m", 60_000), ("s", 1000)):
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1000)):
         if whole_ms % size == 0:
             return f"{whole_ms // size}{unit}"
     return f"{seconds:g}s" if whole_ms >= 1000 else f"{whole_ms}ms"
@@ -167,9 +168,9 @@ def _duration_schema(exclusive: bool) -> dict[str, Any]:
     return {
         "anyOf": [
             {"type": "number", **bound},
-            {"type": "string", "pattern": rf"^(?:{_NUMBER}|(?:{_NUMBER}(?:ms|s|m|h))+)$"},
+            {"type": "string", "pattern": rf"^(?:{_NUMBER}|(?:{_NUMBER}(?:ms|s|m|h|d))+)$"},
         ],
-        "description": "seconds, or a duration such as 250ms, 30s, 5m, 1h",
+        "description": "seconds, or a duration such as 250ms, 30s, 5m, 1h, 30d",
     }
 
 
@@ -522,6 +523,13 @@ class State(_Frozen):
     path: NonEmptyStr | None = "slotproxy-state.json"
 
 
+class Ledger(_Frozen):
+    path: NonEmptyStr | None = "slotproxy-ledger.sqlite"
+    """The SQLite file every request's row is written to (relative to the config file's folder); null: none."""
+    retention: PositiveDuration = 30 * 86400.0
+    """Rows older than this are deleted (hourly); with Redis, the fleet's hourly aggregates expire with it."""
+
+
 class Backend(_Frozen):
     kind: Literal["memory", "redis"] = "memory"
     url: BackendUrl = "redis://127.0.0.1:6379/0"
@@ -605,6 +613,7 @@ class Config(_Frozen):
     workspaces: Workspaces = Field(default_factory=Workspaces)
     headers: Headers = Field(default_factory=Headers)
     state: State = Field(default_factory=State)
+    ledger: Ledger = Field(default_factory=Ledger)
     backend: Backend = Field(default_factory=Backend)
     logging: Logging = Field(default_factory=Logging)
 
@@ -667,9 +676,20 @@ class Config(_Frozen):
         return result
 
 
+_KEY_FORMATS = re.compile(
+    # Provider and platform keys made only of letters, digits and _ (so they could be variable names): Google
+    # (Gemini) API keys, Groq, GitHub, Hugging Face, AWS access key ids. Keys with a dash (sk-..., sk-ant-...)
+    # cannot be variable names anyway.
+    r"AIza[0-9A-Za-z_]{35}|gsk_[0-9A-Za-z]{40,}|gh[pousr]_[0-9A-Za-z]{36,}|github_pat_[0-9A-Za-z_]{40,}"
+    r"|hf_[0-9A-Za-z]{30,}|A[KS]IA[0-9A-Z]{16}"
+)
+
+
 def looks_like_a_key(name: str) -> bool:
-    """Variable names are short and upper-case; a long mixed-case or lower-case token is a pasted key."""
-    return len(name) >= 24 or (len(name) >= 12 and any(c.islower() for c in name) and any(c.isdigit() for c in name))
+    """A pasted key, not a variable name: anything that cannot be a name (``sk-...``, dashes, dots, spaces),
+    and the few key formats that could (a Google ``AIza...`` key, say). Any other name made of letters, digits
+    and _ that starts with a letter or _ is a variable name, whatever its length or case."""
+    return not _ENV_NAME.fullmatch(name) or _KEY_FORMATS.fullmatch(name) is not None
 
 
 def env_name_for_display(name: str) -> str:

@@ -12,7 +12,9 @@ reduction or notice.
 
 Pure: time and timers come from the injected clock; the limiter that owns a level
 is told through ``on_room`` (a slot may be free now: grant waiters) and
-``on_change`` (the state file should be written).
+``on_change`` (the state file should be written). A backoff's pause and reduction
+are not logged here: the backend that reported it logs them, summarised per
+provider (``proxy.logs.BackoffLog``), the same way for memory and Redis.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ class LimitLevel:
         self.counters["backoffs"] += 1
         same_burst = policy.same_burst(now, self._paused_until, sent_at, self._last_reduction_at)
         default = policy.default_pause(reduce, self._settings.default_pause, self._settings.overload_pause)
-        self._pause_until(now + policy.pause_length(wait, default), cause)
+        self._pause_until(now + policy.pause_length(wait, default))
         self._quiet_since = now
         if reduce and not same_burst:
             self._last_reduction_at = now
@@ -181,19 +183,17 @@ class LimitLevel:
     def retry_after_hint(self) -> float:
         return policy.retry_after_hint(self._clock.time(), self._paused_until)
 
-    def _pause_until(self, until: float, cause: str) -> None:
+    def _pause_until(self, until: float) -> None:
         if self._paused_until is not None and until <= self._paused_until:
             return
         if self._pause_timer is not None:
             self._pause_timer.cancel()
         self._paused_until = until
         self._pause_timer = self._clock.call_later(until - self._clock.time(), self._end_pause)
-        log.warning("%s paused for %.1fs after a %s", self._label(), until - self._clock.time(), cause)
 
     def _end_pause(self) -> None:
         self._paused_until = None
         self._pause_timer = None
-        log.info("%s pause ended", self._label())
         self._on_room()
 
     def _auto_reduce(self, cause: str) -> None:
@@ -205,7 +205,6 @@ class LimitLevel:
         self._limit = reduced
         self._notice = policy.auto_reduce_notice(self._limit, cause)
         self.counters["auto_reductions"] += 1
-        log.warning("%s %s", self._label(), self._notice)
 
     def _arm_recovery(self) -> None:
         """Time the next recovery step: ``recovery_after`` past the later of the last backoff and the last step."""

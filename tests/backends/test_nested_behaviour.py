@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -230,13 +231,14 @@ async def test_a_late_answer_in_the_same_window_does_not_give_back_grants_made_s
         lease.release()
 
 
-async def test_a_key_backoff_is_logged_with_its_notice(backend, caplog) -> None:
+async def test_a_key_backoff_is_logged_with_its_reduction_and_pause(backend, caplog) -> None:
     await setup(backend, keys=POOL)
     lease = await take(backend)
     with caplog.at_level("WARNING"):
         backend.report_backoff("p", "429", 1.0, lease.granted_at, key=lease.key)
         await status(backend)
     lease.release()
-    lines = [record.getMessage() for record in caplog.records]
-    assert "provider=p key=a paused for 1.0s after a 429" in lines
-    assert f"provider=p key=a {auto_reduce_notice(1, '429')}" in lines
+    lines = [record.getMessage() for record in caplog.records if record.name == "slotproxy.backoff"]
+    assert len(lines) == 1, lines
+    assert re.fullmatch(r"p: upstream 429; key a: limit 2 → 1, paused until \d\d:\d\d:\d\d \(in (0\.9|1) s\)",
+                        lines[0]), lines

@@ -58,7 +58,7 @@ def test_spec_wording_for_a_bad_limit() -> None:
     [
         (
             "defaults: {slot_timeout: 5 minutes}",
-            "defaults.slot_timeout: must be a duration such as 250ms, 30s, 5m or 1h (line 1)",
+            "defaults.slot_timeout: must be a duration such as 250ms, 30s, 5m, 1h or 30d (line 1)",
         ),
         (
             "defaults:\n  backoff_statuses:\n    - 429\n    - 200\n",

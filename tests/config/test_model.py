@@ -46,6 +46,8 @@ def messages(exc: pytest.ExceptionInfo[ValidationError]) -> list[str]:
         ("30s", 30.0),
         ("5m", 300.0),
         ("1h", 3600.0),
+        ("30d", 30 * 86400.0),
+        ("1d12h", 129600.0),
         ("1.5s", 1.5),
         ("1m30s", 90.0),
         (" 2s ", 2.0),
@@ -61,13 +63,13 @@ def test_duration_parses(value: object, seconds: float) -> None:
     [
         ("-1s", "must not be negative"),
         (-3, "must not be negative"),
-        ("5 minutes", "must be a duration such as 250ms, 30s, 5m or 1h"),
-        ("1d", "must be a duration such as 250ms, 30s, 5m or 1h"),
-        ("", "must be a duration such as 250ms, 30s, 5m or 1h"),
-        ("s", "must be a duration such as 250ms, 30s, 5m or 1h"),
-        (True, "must be a duration such as 250ms, 30s, 5m or 1h"),
-        (None, "must be a duration such as 250ms, 30s, 5m or 1h"),
-        (math.inf, "must be a duration such as 250ms, 30s, 5m or 1h"),
+        ("5 minutes", "must be a duration such as 250ms, 30s, 5m, 1h or 30d"),
+        ("1w", "must be a duration such as 250ms, 30s, 5m, 1h or 30d"),
+        ("", "must be a duration such as 250ms, 30s, 5m, 1h or 30d"),
+        ("s", "must be a duration such as 250ms, 30s, 5m, 1h or 30d"),
+        (True, "must be a duration such as 250ms, 30s, 5m, 1h or 30d"),
+        (None, "must be a duration such as 250ms, 30s, 5m, 1h or 30d"),
+        (math.inf, "must be a duration such as 250ms, 30s, 5m, 1h or 30d"),
     ],
 )
 def test_duration_rejects(value: object, message: str) -> None:
@@ -85,6 +87,8 @@ def test_duration_rejects(value: object, message: str) -> None:
         (90, "90s"),
         (300, "5m"),
         (3600, "1h"),
+        (86400 * 30, "30d"),
+        (86400 + 3600, "25h"),
     ],
 )
 def test_duration_formats(seconds: float, text: str) -> None:
@@ -128,7 +132,7 @@ def test_size_formats(size: int, text: str | int) -> None:
     ("server", "message"),
     [
         ({"max_body": 0}, "must be larger than 0 bytes"),
-        ({"shutdown_grace": "soon"}, "must be a duration such as 250ms, 30s, 5m or 1h"),
+        ({"shutdown_grace": "soon"}, "must be a duration such as 250ms, 30s, 5m, 1h or 30d"),
         ({"port": 70000}, "must be a port number from 0 to 65535"),
         ({"port": True}, "must be a port number from 0 to 65535"),
     ],
