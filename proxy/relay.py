@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from . import upstream_errors
+from .accounting import Account, BodyTail
 from .answers import ALLOWED_ORIGIN, Answer, StreamedAnswer, WrittenAnswer
 from .body import read_body
 from .budgets import read_budget
@@ -46,6 +47,7 @@ from .limiter import Budget, Priority, SlotLease
 from .model_name import model_hint, request_model
 from .runtime import ProxyState
 from .signals import Backoff, classify_response, readable_body, stream_scanner
+from .tokens import UsageReader
 from .websocket import relay_websocket, wants_websocket
 
 if TYPE_CHECKING:
@@ -125,6 +127,7 @@ async def relay(request: web.Request, state: ProxyState, provider: str, rest: st
     if request.method == "GET" and "Upgrade" in request.headers and wants_websocket(request.headers):
         return await relay_websocket(request, state, provider, settings, url, consumed)
     state.request_started()
+    account = Account(provider)
     priority: Priority | None = None
     try:
         check_header_bytes(request.headers, skip=state.strip_headers)
@@ -132,19 +135,25 @@ async def relay(request: web.Request, state: ProxyState, provider: str, rest: st
         # Only a Responses API body may carry Codex's turn metadata (client_metadata): others are not searched.
         priority, invalid = parse_priority(request.headers, state.priority_headers, time.time(),
                                            body if rest.endswith("responses") else b"")
+        account.priority = priority
         for key in invalid:
             state.metrics.invalid_headers.labels(key).inc()
-        response = await Exchange(request, state, provider, settings, url, body, priority, consumed, rest).run()
+        response = await Exchange(request, state, provider, settings, url, body, priority, consumed, rest,
+                                  account).run()
     except ProxyError as exc:
         response = error_response(exc)
     except asyncio.CancelledError:
         state.metrics.count_request(provider, "499")
+        account.status, account.outcome = 499, "client_gone"
         if priority is not None and getattr(request.protocol, "write_timed_out", False):
             log.warning("provider=%s client accepted no bytes for server.write_timeout; cut off, slot released "
                         "(workspace=%s conversation=%s)", provider, priority.workspace, priority.conversation or "-")
         raise
     finally:
         state.request_finished()
+        if account.status == 0:
+            account.status = response.status
+        state.account(account)
     state.metrics.count_request(provider, str(response.status))
     return response
 
@@ -163,6 +172,7 @@ class Exchange:
         priority: Priority,
         consumed: frozenset[str] = frozenset(),
         rest: str = "",
+        account: Account | None = None,
     ) -> None:
         self.request = request
         self.state = state
@@ -183,6 +193,8 @@ class Exchange:
         """Whether the current attempt's upstream answered with its headers (else it failed before answering)."""
         self.chunks: int | None = None
         """The chunks of upstream's body relayed so far in this attempt; None until its body streams."""
+        self.account = account or Account(provider)
+        self.account.model = self.model
 
     async def run(self) -> web.StreamResponse:
         retries_left = self.settings.retry_on_429
@@ -201,15 +213,17 @@ class Exchange:
                 else:
                     lease = _NoSlot()
             except (QueueFull, QueueTimeout, ShuttingDown) as exc:
-                self.queue_ms = int((waited + time.monotonic() - asked_at) * 1000)
+                self.queue_ms = self.account.queue_ms = int((waited + time.monotonic() - asked_at) * 1000)
                 return error_response(exc, queue_ms=self.queue_ms)
             waited += lease.queue_wait
-            self.queue_ms = int(waited * 1000)
+            self.queue_ms = self.account.queue_ms = int(waited * 1000)
+            self.account.key = lease.key
             seq = lease.seq
             try:
                 return await self._attempt(lease, retry_allowed=retries_left > 0)
             except _Retry:
                 retries_left -= 1
+                self.account.retries += 1
             finally:
                 lease.release()
 
@@ -249,14 +263,18 @@ class Exchange:
         except asyncio.CancelledError:
             if not watch.absorbed():
                 raise
+            self.account.outcome = "timeout"
             return self._timed_out(lease, watch.delay)
         except TimeoutError:  # aiohttp's connect_timeout (sock_read is off: idle_timeout is the watch's)
+            self.account.outcome = "upstream_error"
             return self._fail(UpstreamTimeout, upstream_errors.connect_timed_out(
                 self.url.host, self.url.port, self.settings.connect_timeout))
         except _ClientGone:
             log.debug("provider=%s client left mid-response", self.provider)
+            self.account.status, self.account.outcome = 499, "client_gone"
             return self.response or error_response(BadRequest("client disconnected"))
         except aiohttp.ClientError as exc:
+            self.account.outcome = "upstream_error"
             host, port = self.url.host, self.url.port
             what = upstream_errors.broke_off(exc, host, port, self.chunks) if self.headers_seen \
                 else upstream_errors.before_answer(exc, host, port)
@@ -329,9 +347,13 @@ class Exchange:
         if length is not None:
             response.content_length = length
         await _to_client(response.prepare(self.request))
+        self.account.first_byte()
         if prefix:
             await _to_client(response.write(prefix))
-        scanner = stream_scanner(upstream.headers.get("Content-Encoding")) if event_stream else None
+        usage = self.account.usage = UsageReader()
+        encoding = upstream.headers.get("Content-Encoding")
+        scanner = stream_scanner(encoding, usage) if event_stream else None
+        tail = BodyTail(encoding) if not event_stream and upstream.status < 300 else None
         now = asyncio.get_running_loop().time
         # Cancellation point: the client may leave at any await below; the handler
         # is cancelled and the caller's finally releases the slot.
@@ -344,7 +366,8 @@ class Exchange:
                     backoff = scanner.feed(chunk)
                     if backoff is not None:
                         self._report(backoff, lease)
-                        scanner = None
+                elif tail is not None:
+                    tail.feed(chunk)
                 try:  # _to_client's job, written out: no extra coroutine per chunk
                     await response.write(chunk)
                 except ConnectionError as exc:
@@ -352,6 +375,9 @@ class Exchange:
         finally:
             self.chunks = chunks  # for the words if upstream broke off or went quiet
         await _to_client(response.write_eof())
+        if tail is not None:
+            tail.read_into(usage)
+        self.account.outcome = "ok"
         return response
 
     def _small_whole(self, upstream: aiohttp.ClientResponse) -> bool:
@@ -363,18 +389,26 @@ class Exchange:
     async def _send_whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.StreamResponse:
         """A small fixed-length answer: headers and body leave in one write, still before the slot is released."""
         headers = self._response_headers(upstream)
+        account = self.account
+        account.first_byte()
         try:  # _to_client's job, written out for both kinds of answer
             if WrittenAnswer.fits(self.request.method, upstream.status):
                 headers[QUEUE_MS_HEADER] = str(self.queue_ms)
                 written = self.response = WrittenAnswer(status=upstream.status, reason=upstream.reason)
                 await written.send(self.request, headers, body)
-                return written
-            response = self._answer(Answer(status=upstream.status, reason=upstream.reason, body=body,
-                                           headers=headers), upstream)
-            await response.prepare(self.request)
-            await response.write_eof()
+                response: web.StreamResponse = written
+            else:
+                response = self._answer(Answer(status=upstream.status, reason=upstream.reason, body=body,
+                                               headers=headers), upstream)
+                await response.prepare(self.request)
+                await response.write_eof()
         except ConnectionError as exc:
             raise _ClientGone from exc
+        account.outcome = "ok"
+        if upstream.status < 300 and body:
+            account.usage = usage = UsageReader()
+            encoding = upstream.headers.get("Content-Encoding")
+            usage.read(readable_body(body, encoding) if encoding else body)
         return response
 
     def _response_headers(self, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:

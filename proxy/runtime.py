@@ -21,19 +21,20 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Protocol
 
 from .access import ClientKeys
+from .accounting import Account
 from .admin.metrics import Metrics
 from .admin.throttle import AuthFailures
 from .backends import Backend, MemoryBackend
-from .config import Config, ProviderSettings
+from .config import Config, ProviderSettings, beside_config
 from .connections import ConnectionGuard, ConnectionSettings
 from .guard import BrowserGuard
 from .headers import PriorityHeaders
 from .idle import IdleWatch
-from .limiter import KeySettings, LimiterSettings, ModelCap, SlotLease
+from .ledger import Ledger
+from .limiter import KeySettings, LimiterSettings, ModelCap, SlotLease, policy
 from .state import StarOverrides, StateStore, StateWriter
 from .upstreams import Upstreams
 from .usage import UsagePollers
@@ -100,6 +101,9 @@ class OpenSockets:
 class ProxyState:
     """The running proxy's parts, and the config they were last given."""
 
+    _warned: frozenset[str] = frozenset()
+    """The config warnings in force at the last ``apply``: a reload logs only those that are new."""
+
     def __init__(self, config: Config, *, config_path: str | None = None, backend: Backend | None = None) -> None:
         self.config_path = config_path
         self.config_error: str | None = None
@@ -111,7 +115,10 @@ class ProxyState:
         self.idle_watch = IdleWatch()
         """The idle_timeout deadlines of the upstream exchanges in flight."""
         self.stars = StarOverrides()
-        self.state_file = StateWriter(StateStore(_state_path(config, config_path)), self._runtime_state)
+        self.state_file = StateWriter(StateStore(beside_config(config.state.path, config_path)),
+                                      self._runtime_state)
+        self.ledger = Ledger(beside_config(config.ledger.path, config_path), config.ledger.retention,
+                             on_dropped=self.metrics.ledger_dropped.inc)
         self.pollers = UsagePollers()
         self.listen_host = config.server.host
         self.connections = ConnectionGuard()
@@ -137,8 +144,11 @@ class ProxyState:
         providers = {name: config.provider(name) for name in config.provider_names()}
         self.upstreams.configure(providers)
         self.client_keys = ClientKeys.from_env(config.access.keys_env, os.environ)
-        for warning in config.warnings(os.environ):
-            log.warning("%s", warning)
+        warnings = config.warnings(os.environ)
+        for warning in warnings:
+            if warning not in self._warned:  # said once; again only if it went away and came back
+                log.warning("%s", warning)
+        self._warned = frozenset(warnings)
         names = config.headers
         self.priority_headers = PriorityHeaders(
             workspace=names.workspace, starred=names.starred, prompt_started_at=names.prompt_started_at,
@@ -204,13 +214,26 @@ class ProxyState:
             )
 
     async def start(self) -> None:
-        """Connect the backend (Redis) before the first request is served."""
+        """Connect the backend (Redis) and open the ledger before the first request is served."""
         await self.backend.start()
+        await self.ledger.start()
 
     async def close(self) -> None:
         await self.pollers.close()
         await self.upstreams.close()
+        await self.ledger.close()
         await self.backend.close()
+
+    def account(self, account: Account) -> None:
+        """A request ended: its ledger row, the fleet's aggregates, the token counters."""
+        row = account.row()
+        self.ledger.record(row)
+        self.backend.record_usage(row)
+        if row.input_tokens is not None:
+            settings = self._providers.get(row.provider)
+            patterns = tuple(settings.models) if settings is not None else ()
+            model = policy.model_pattern(row.model, patterns) if patterns else None
+            self.metrics.count_tokens(row, model or "other")
 
 
 def make_backend(config: Config) -> Backend:
@@ -223,15 +246,6 @@ def make_backend(config: Config) -> Backend:
             lease_ttl=config.backend.lease_ttl,
             on_backend_error=config.backend.on_backend_error,
             local_limit=config.backend.local_limit,
+            usage_retention=config.ledger.retention,
         )
     return MemoryBackend()
-
-
-def _state_path(config: Config, config_path: str | None) -> Path | None:
-    """A relative state path is taken relative to the config file, like nginx's prefix."""
-    if config.state.path is None:
-        return None
-    path = Path(config.state.path)
-    if not path.is_absolute() and config_path is not None:
-        path = Path(config_path).resolve().parent / path
-    return path

@@ -17,7 +17,7 @@ from typing import Any
 from .errors import AdminError
 from .ledger import TOKEN_COLUMNS
 
-__all__ = ["GROUPS", "UsageQuery", "answer", "parse_query", "queue_median_sql", "totals_sql"]
+__all__ = ["GROUPS", "UsageQuery", "answer", "format_usage", "parse_query", "queue_median_sql", "totals_sql"]
 
 GROUPS = ("provider", "key", "model", "workspace", "conversation", "hour")
 FILTERS = ("provider", "workspace", "model")
@@ -149,3 +149,39 @@ def answer(query: UsageQuery, totals: Iterable[Sequence[Any]], medians: Iterable
         rows.append(entry)
     rows.sort(key=lambda entry: (entry["input_tokens"] + entry["output_tokens"], entry["requests"]), reverse=True)
     return {"since": query.since, "until": query.until, "by": list(query.by), "scope": scope, "rows": rows}
+
+
+def format_usage(document: Mapping[str, Any]) -> str:
+    """The answer as a table (``slotproxy usage``): the groups, then requests, errors, tokens and waits."""
+    by = [str(name) for name in document.get("by", [])]
+    head = [name.upper() for name in by] + ["REQUESTS", "ERRORS", "INPUT", "CACHED", "OUTPUT", "REASONING",
+                                            "UNKNOWN", "QUEUE P50", "QUEUE MAX"]
+    body = [[_cell(row.get(name), name) for name in by]
+            + [str(row.get(name, 0)) for name in ("requests", "errors", "input_tokens", "cached_input_tokens",
+                                                  "output_tokens", "reasoning_tokens", "unknown_usage")]
+            + [f"{row.get('queue_ms_p50', 0)} ms", f"{row.get('queue_ms_max', 0)} ms"]
+            for row in document.get("rows", [])]
+    widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+             for line in [head, *body]]
+    if not body:
+        lines.append("(no requests in this span)")
+    scope = "the whole fleet" if document.get("scope") == "fleet" else "this replica's ledger"
+    lines.append(f"{_clock(document.get('since'))} to {_clock(document.get('until'))}, from {scope}")
+    if document.get("ledger"):
+        lines.append(f"ledger: {document['ledger']}")
+    return "\n".join(lines)
+
+
+def _cell(value: object, name: str) -> str:
+    if value is None:
+        return "-"
+    if name == "hour" and isinstance(value, int):
+        return _clock(value)
+    return str(value)
+
+
+def _clock(epoch_ms: object) -> str:
+    if not isinstance(epoch_ms, int):
+        return "?"
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch_ms / 1000))

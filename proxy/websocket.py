@@ -22,7 +22,6 @@ import json
 import logging
 import re
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from . import upstream_errors
+from .accounting import Account
 from .answers import ALLOWED_ORIGIN, Answer
 from .errors import (
     ProxyError,
@@ -53,6 +53,7 @@ from .limiter import Priority, SlotLease
 from .model_name import frame_model, model_hint
 from .runtime import ProxyState
 from .signals import Backoff, classify_response, event_backoff, readable_body
+from .tokens import UsageReader
 from .upstreams import expect_upgrade, refused_upgrade_body
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ _HANDSHAKE_HEADERS = frozenset({
 _TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.incomplete", b"error"})
 _TYPE_AT_START = re.compile(rb'\s*\{\s*"type"\s*:\s*"([a-z_.]{1,64})"')
 _CREATE = b"response.create"
+_OUTPUT_EVENT = b'{"type":"response.output_'
+"""The opening of most of a response's events (its text, items and parts), none of them its end."""
 _UNSENDABLE_CLOSE_CODES = frozenset({1005, 1006, 1015})
 _CLOSE_WAIT = 5.0
 _PAUSE_MARGIN = 0.1
@@ -96,20 +99,27 @@ async def relay_websocket(request: web.Request, state: ProxyState, provider: str
         response = error_response(exc)
     if not isinstance(response, web.WebSocketResponse):
         state.metrics.count_request(provider, str(response.status))
+        refused = Account(provider, "websocket")
+        refused.priority, refused.status = relay.priority, response.status
+        state.account(refused)
         return response
     return await relay.run(response)
 
 
 @dataclass(slots=True)
 class _Response:
-    """One response in flight on the socket: its slot, and how it ends."""
+    """One response in flight on the socket: its slot and its ledger row."""
 
     lease: SlotLease
-    started_at: float
+    account: Account
 
 
 class SocketRelay:
     """One client socket and its upstream socket."""
+
+    __slots__ = ("client", "closing_after_responses", "consumed", "in_flight", "key", "priority",
+                 "prompt_from_handshake", "provider", "request", "settings", "state", "upstream", "upstream_pump",
+                 "url", "watch")
 
     def __init__(self, request: web.Request, state: ProxyState, provider: str, settings: ProviderSettings,
                  url: URL, consumed: frozenset[str]) -> None:
@@ -128,7 +138,8 @@ class SocketRelay:
         self.key: str | None = None
         self.upstream: aiohttp.ClientWebSocketResponse[bool] | None = None
         self.client: web.WebSocketResponse | None = None
-        self.in_flight: deque[_Response] = deque()
+        self.in_flight: list[_Response] = []
+        """Responses forwarded and not yet ended, in order (one at a time, as clients send them)."""
         self.watch: Watch | None = None
         self.upstream_pump: asyncio.Task[None] | None = None
         self.closing_after_responses = False
@@ -234,25 +245,29 @@ class SocketRelay:
     # ----- the open socket -------------------------------------------------------------
 
     async def run(self, client: web.WebSocketResponse) -> web.WebSocketResponse:
-        """Relay frames both ways until either side closes; every slot taken is released exactly once."""
+        """Relay frames both ways until either side closes; every slot taken is released exactly once.
+
+        Frames from the client are relayed in the handler's own task, those from upstream in a task of their
+        own (the idle watch cancels that one); whichever side closes first closes the other, which ends the
+        other loop."""
         upstream = self.upstream
         assert upstream is not None
         self.state.open_sockets.opened(self)
-        self.upstream_pump = asyncio.get_running_loop().create_task(self._from_upstream(upstream, client))
-        from_client = asyncio.get_running_loop().create_task(self._from_client(client, upstream))
+        pump = self.upstream_pump = asyncio.get_running_loop().create_task(self._from_upstream(upstream, client))
         try:
             # Cancellation point: the client's connection is lost (no close frame: Codex leaves that way), and
             # the handler is cancelled; the finally below releases what the socket holds.
-            done, _ = await asyncio.wait((self.upstream_pump, from_client), return_when=asyncio.FIRST_COMPLETED)
-            for pump in done:
-                _note_failure(pump, self.provider)
+            await self._from_client(client, upstream)
+        except (ConnectionError, aiohttp.ClientError) as exc:
+            log.debug("provider=%s WebSocket relay ended: %s", self.provider, _reason(exc))
         finally:
-            from_client.cancel()
-            self.upstream_pump.cancel()
-            self._end_all(_CLIENT_GONE if not upstream.closed else _UPSTREAM_FAILED)
+            pump.cancel()
+            self._end_all(_CLIENT_GONE if not upstream.closed else _UPSTREAM_FAILED,
+                          "client_gone" if not upstream.closed else "upstream_error")
             self.state.open_sockets.closed(self)
             await _quietly(upstream.close(code=_sendable(client.close_code, WSCloseCode.GOING_AWAY)))
             await _quietly(client.close(code=_sendable(upstream.close_code, WSCloseCode.GOING_AWAY)))
+            await asyncio.gather(pump, return_exceptions=True)
         return client
 
     async def _from_client(self, client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse[bool]) \
@@ -267,8 +282,10 @@ class SocketRelay:
                 await upstream.send_frame(data, WSMsgType.TEXT)
             elif kind is WSMsgType.BINARY:
                 await upstream.send_frame(message.data, WSMsgType.BINARY)
-            else:  # CLOSE (answered by aiohttp), CLOSED, ERROR: the client is gone
-                self._end_all(_CLIENT_GONE)
+            else:  # CLOSE (answered by aiohttp), CLOSING (upstream closed it), CLOSED, ERROR: the client is gone
+                if upstream.closed:
+                    return
+                self._end_all(_CLIENT_GONE, "client_gone")
                 await _quietly(upstream.close(code=_sendable(client.close_code, WSCloseCode.GOING_AWAY),
                                               message=(message.extra or "").encode()[:123]
                                               if kind is WSMsgType.CLOSE else b""))
@@ -276,23 +293,28 @@ class SocketRelay:
 
     async def _take_slot(self, client: web.WebSocketResponse, frame: bytes) -> bool:
         """Wait for this response's slot; False (and an ``error`` frame to the client) when it gets none."""
+        account = Account(self.provider, "websocket")
+        account.priority = priority = self._frame_priority(frame)
+        account.model = frame_model(frame) if self.settings.models else model_hint("", frame)
         if self.state.shutting_down or self.closing_after_responses:
-            await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0))
+            await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0),
+                               account)
             return False
-        priority = self._frame_priority(frame)
-        model = frame_model(frame) if self.settings.models else model_hint("", frame)
         self.state.request_started()
+        asked_at = time.monotonic()
         try:
-            lease = await self.state.backend.acquire(self.provider, priority, model=model, key=self.key)
+            lease = await self.state.backend.acquire(self.provider, priority, model=account.model, key=self.key)
         except (QueueFull, QueueTimeout, ShuttingDown) as exc:
             self.state.request_finished()
-            await self._refuse(client, exc)
+            account.queue_ms = round((time.monotonic() - asked_at) * 1000)
+            await self._refuse(client, exc, account)
             return False
         except BaseException:
             self.state.request_finished()
             raise
         self.state.observe_grant(self.provider, lease)
-        self._start(lease)
+        account.queue_ms, account.key = round(lease.queue_wait * 1000), lease.key
+        self._start(lease, account)
         return True
 
     def _frame_priority(self, frame: bytes) -> Priority:
@@ -304,10 +326,9 @@ class SocketRelay:
         started = max(started, now - self.state.priority_headers.max_prompt_age)
         return self.priority._replace(prompt_started_at=started)
 
-    def _start(self, lease: SlotLease) -> None:
+    def _start(self, lease: SlotLease, account: Account) -> None:
         """The response is in flight: its slot, the idle watch over upstream's data frames, the watchdog."""
-        response = _Response(lease, asyncio.get_running_loop().time())
-        self.in_flight.append(response)
+        self.in_flight.append(_Response(lease, account))
         if self.watch is None and self.upstream_pump is not None:
             self.watch = self.state.idle_watch.watch(self.settings.idle_timeout, self.upstream_pump)
         lease.on_reclaim = self._reclaimed
@@ -318,9 +339,11 @@ class SocketRelay:
         if self.watch is not None:
             self.watch.fire()
 
-    async def _refuse(self, client: web.WebSocketResponse, error: ProxyError) -> None:
+    async def _refuse(self, client: web.WebSocketResponse, error: ProxyError, account: Account) -> None:
         """A response that got no slot: an ``error`` event with a status (clients retry on it)."""
         self.state.metrics.count_request(self.provider, str(error.status))
+        account.status = error.status
+        self.state.account(account)
         frame: dict[str, Any] = {"type": "error", "status": error.status, **error.body()}
         if error.retry_after is not None:
             frame["retry_after_seconds"] = max(1, int(error.retry_after + 0.999))
@@ -355,39 +378,51 @@ class SocketRelay:
             if self.watch is None or not self.watch.absorbed():
                 raise
             await self._timed_out(upstream, client)
+        except (ConnectionError, aiohttp.ClientError) as exc:  # the client went while a frame was on its way
+            log.debug("provider=%s WebSocket relay ended: %s", self.provider, _reason(exc))
 
     def _upstream_closed(self, why: str) -> None:
         if self.in_flight:
             log.warning("provider=%s upstream closed the WebSocket (%s) with %d response(s) in flight",
                         self.provider, why, len(self.in_flight))
-        self._end_all(_UPSTREAM_FAILED)
+        self._end_all(_UPSTREAM_FAILED, "upstream_error")
 
     async def _timed_out(self, upstream: aiohttp.ClientWebSocketResponse[bool],
                          client: web.WebSocketResponse) -> None:
         reclaimed = any(response.lease.reclaimed for response in self.in_flight)
         what = "slot_timeout" if reclaimed else "idle_timeout"
         log.warning("provider=%s %s fired on a WebSocket response; both sockets closed (1011)", self.provider, what)
-        self._end_all(_TIMED_OUT)
+        self._end_all(_TIMED_OUT, "timeout")
         await _quietly(upstream.close(code=WSCloseCode.INTERNAL_ERROR, message=what.encode()))
         await _quietly(client.close(code=WSCloseCode.INTERNAL_ERROR, message=what.encode()))
 
     def _note_event(self, data: bytes) -> None:
-        """Read an event for what the relay needs: the end of the response in flight, and rate-limit signals."""
+        """Read an event for what the relay needs: the first byte, the end of the response in flight, its usage
+        and rate-limit signals. Most events are a response's output (``response.output_*``): those are
+        recognised by their opening and read no further."""
+        account = self.in_flight[0].account
+        if account.ttfb_ms is None:
+            account.first_byte()
+        if data.startswith(_OUTPUT_EVENT):
+            return
         kind = _event_type(data)
         if kind is None or kind not in _TERMINAL:
             return
-        try:
-            document = json.loads(data)
-        except (ValueError, RecursionError):
-            document = None
+        usage = account.usage = UsageReader()
         status = _COMPLETED
-        if isinstance(document, dict):
-            backoff = event_backoff(document)
-            if backoff is not None:
-                self._report(backoff, self.in_flight[0].lease.granted_at)
-            stated = document.get("status")
-            if kind == b"error" and isinstance(stated, int) and 400 <= stated <= 599:
-                status = stated
+        if kind == b"response.completed" or kind == b"response.incomplete":
+            usage.read(data)
+        else:
+            document = _parsed(data)
+            if document is not None:
+                response = document.get("response")
+                usage.add(response.get("usage") if isinstance(response, dict) else None)
+                backoff = event_backoff(document)
+                if backoff is not None:
+                    self._report(backoff, self.in_flight[0].lease.granted_at)
+                stated = document.get("status")
+                if kind == b"error" and isinstance(stated, int) and 400 <= stated <= 599:
+                    status = stated
         self._end_first(status)
 
     def _report(self, backoff: Backoff, sent_at: float) -> float:
@@ -405,24 +440,27 @@ class SocketRelay:
     # ----- ending responses ----------------------------------------------------------------
 
     def _end_first(self, status: int) -> None:
-        response = self.in_flight.popleft()
-        self._end(response, status)
+        self._end(self.in_flight.pop(0), status, "ok")
         if not self.in_flight:
             self._unwatch()
             if self.closing_after_responses and self.client is not None:
                 asyncio.get_running_loop().create_task(_quietly(self.client.close(code=WSCloseCode.GOING_AWAY)))
 
-    def _end_all(self, status: int) -> None:
-        while self.in_flight:
-            self._end(self.in_flight.popleft(), status)
+    def _end_all(self, status: int, outcome: str) -> None:
+        in_flight, self.in_flight = self.in_flight, []
+        for response in in_flight:
+            self._end(response, status, outcome)
         self._unwatch()
 
-    def _end(self, response: _Response, status: int) -> None:
+    def _end(self, response: _Response, status: int, outcome: str) -> None:
         lease = response.lease
         lease.on_reclaim = None
         lease.release()
         self.state.request_finished()
         self.state.metrics.count_request(self.provider, str(status))
+        account = response.account
+        account.status, account.outcome = status, outcome
+        self.state.account(account)
 
     def _unwatch(self) -> None:
         if self.watch is not None:
@@ -468,11 +506,12 @@ def _event_type(frame: bytes) -> bytes | None:
     return kind.encode() if isinstance(kind, str) else None
 
 
-def _note_failure(pump: asyncio.Task[None], provider: str) -> None:
-    """A pump that ended on an error: one side's connection broke mid-write (the finally closes both)."""
-    error = None if pump.cancelled() else pump.exception()
-    if error is not None:
-        log.debug("provider=%s WebSocket relay ended: %s", provider, _reason(error))
+def _parsed(frame: bytes) -> dict[str, Any] | None:
+    try:
+        document = json.loads(frame)
+    except (ValueError, RecursionError):
+        return None
+    return document if isinstance(document, dict) else None
 
 
 def _protocols(headers: Mapping[str, str]) -> tuple[str, ...]:

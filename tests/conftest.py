@@ -82,11 +82,17 @@ async def start_upstream() -> AsyncIterator[Callable[..., Awaitable[Upstream]]]:
 
 
 @pytest.fixture
-async def start_proxy() -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
+async def start_proxy(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Callable[..., Awaitable[Proxy]]]:
+    """A proxy in this loop; its ledger (on by default) goes to a folder of the test's own unless the config
+    says where."""
     proxies: list[Proxy] = []
 
     async def start(yaml_text: str) -> Proxy:
-        config = parse_config(textwrap.dedent(yaml_text))
+        text = textwrap.dedent(yaml_text)
+        if "ledger:" not in text:
+            folder = tmp_path_factory.mktemp("ledger")
+            text += f"\nledger: {{path: '{folder / 'ledger.sqlite'}'}}\n"
+        config = parse_config(text)
         state = ProxyState(config)
         runner, port = await start_server(state, "127.0.0.1", 0)
         proxy = Proxy(state, port, runner)

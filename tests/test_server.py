@@ -98,7 +98,7 @@ async def test_json_logs_mask_secrets(start_upstream, client, tmp_path: Path) ->
     lines = [json.loads(line) for line in err.splitlines() if line.strip()]
     assert lines and all({"ts", "level", "logger", "message"} <= set(line) for line in lines)
     messages = " ".join(line["message"] for line in lines)
-    assert "auto-reduced to 1 after a 429" in messages
+    assert "openai: upstream 429; limit 2 → 1; paused until" in messages
     assert secret not in err and "sk-client-key-987654321" not in err
 
 
@@ -110,7 +110,7 @@ async def test_a_port_already_taken_fails_start_up_without_leaving_redis_connect
     taken.listen()
     port = taken.getsockname()[1]
     state = ProxyState(parse_config(f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: port-taken}}\n"
-                                    "providers: {p: {upstream: 'http://127.0.0.1:9/v1'}}\n"))
+                                    "providers: {p: {upstream: 'http://127.0.0.1:9/v1'}}\nledger: {path: null}\n"))
     client = redis.Redis.from_url(REDIS_URL)
     try:
         with pytest.raises(OSError):

@@ -20,6 +20,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from ..heap import process_pauses
+from ..ledger import LedgerRow
 from ..limiter import ProviderStatus
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -98,6 +99,12 @@ class _PerRequestCollector(Collector):
         for provider, histogram in list(self._metrics.waits.items()):
             waits.add_metric([provider], histogram.buckets(), histogram.total)
         yield waits
+        tokens = CounterMetricFamily("slotproxy_tokens", "Tokens the answers stated, by type (input includes "
+                                     "cached input; output includes reasoning)",
+                                     labels=["provider", "key", "model", "type"])
+        for labels, count in list(self._metrics.tokens.items()):
+            tokens.add_metric(list(labels), count)
+        yield tokens
 
 
 class _SnapshotCollector(Collector):
@@ -180,6 +187,12 @@ class Metrics:
             "slotproxy_invalid_priority_headers", "Priority headers with an invalid value (default used)",
             ["header"], registry=self.registry,
         )
+        self.ledger_dropped = Counter(
+            "slotproxy_ledger_dropped", "Ledger rows that could not be written (the requests were served)",
+            registry=self.registry,
+        )
+        self.tokens: dict[tuple[str, str, str, str], int] = {}
+        """Tokens by (provider, key, model label, type), as the answers stated them."""
         self.request_counts: dict[tuple[str, str], int] = {}
         self.waits: dict[str, _Histogram] = {}
         self.registry.register(_PerRequestCollector(self))
@@ -190,6 +203,17 @@ class Metrics:
         key = (provider, status)
         counts = self.request_counts
         counts[key] = counts.get(key, 0) + 1
+
+    def count_tokens(self, row: LedgerRow, model: str) -> None:
+        """A row's known token counts; ``model`` is the label (the matching ``models`` pattern, else other)."""
+        tokens = self.tokens
+        key = row.key or ""
+        for kind, value in (("input", row.input_tokens), ("cached_input", row.cached_input_tokens),
+                            ("cache_write", row.cache_write_tokens), ("output", row.output_tokens),
+                            ("reasoning", row.reasoning_tokens)):
+            if value:
+                label = (row.provider, key, model, kind)
+                tokens[label] = tokens.get(label, 0) + value
 
     def observe_wait(self, provider: str, seconds: float) -> None:
         histogram = self.waits.get(provider)

@@ -1,4 +1,4 @@
-"""Status, history, health and metrics routes under /_slotproxy/, /healthz, /readyz and /metrics."""
+"""Status, history, usage, health and metrics routes under /_slotproxy/, /healthz, /readyz and /metrics."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from . import api
 from .history import History
 from .metrics import CONTENT_TYPE
 from .status import status_document
+from .usage import usage
 
 __all__ = ["HISTORY", "add_routes"]
 
@@ -88,6 +89,7 @@ async def _to_dashboard(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/_slotproxy/status", status)
     app.router.add_get("/_slotproxy/history", history)
+    app.router.add_get("/_slotproxy/usage", usage)
     app.router.add_get("/_slotproxy/", dashboard)
     app.router.add_get("/_slotproxy", _to_dashboard)
     app.router.add_get("/healthz", healthz)

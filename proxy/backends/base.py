@@ -6,6 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from ..errors import ProxyError
+from ..ledger import LedgerRow
 from ..limiter import (
     Budget,
     Clock,
@@ -15,6 +16,7 @@ from ..limiter import (
     ProviderStatus,
     SlotLease,
 )
+from ..usage_report import UsageQuery
 
 __all__ = ["Backend"]
 
@@ -72,6 +74,13 @@ class Backend(Protocol):
         """Each provider's runtime state, for the state file."""
 
     def restore_state(self, provider: str, state: dict[str, object]) -> None: ...
+
+    def record_usage(self, row: LedgerRow) -> None:
+        """A request that ended, for the fleet's usage aggregates (a no-op where one ledger is the fleet)."""
+
+    async def fleet_usage(self, query: UsageQuery) -> dict[str, object] | None:
+        """``/usage``'s answer for the whole fleet, or None where this replica's ledger answers it (memory, or
+        a query naming conversations)."""
 
     def shed_queues(self, error: ProxyError) -> int:
         """Reject every waiter with ``error`` (graceful shutdown)."""

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 
 from ..aio import result_if_any
 from ..errors import ProxyError, UnknownProvider
+from ..ledger import LedgerRow
 from ..limiter import (
     Budget,
     Clock,
@@ -18,6 +19,8 @@ from ..limiter import (
     ProviderStatus,
     SlotLease,
 )
+from ..logs import BackoffLog
+from ..usage_report import UsageQuery
 
 __all__ = ["MemoryBackend"]
 
@@ -48,6 +51,8 @@ class MemoryBackend:
         self._retired: dict[str, ProviderLimiter] = {}
         self._starred: frozenset[str] = frozenset()
         self.on_change: Callable[[], None] | None = None
+        self.backoffs = BackoffLog(self.clock)
+        """The log of upstream backoffs, summarised per provider (the Redis backend logs through it too)."""
 
     def configure(self, providers: Mapping[str, LimiterSettings], starred: frozenset[str]) -> None:
         for name in list(self._limiters):
@@ -113,7 +118,11 @@ class MemoryBackend:
                        reduce: bool = True, key: str | None = None) -> None:
         limiter = self._limiters.get(provider) or self._retired.get(provider)
         if limiter is not None:
+            limit_before, _ = _level_now(limiter, key)
             limiter.report_backoff(cause, wait, sent_at=sent_at, reduce=reduce, key=key)
+            limit_after, paused_until = _level_now(limiter, key)
+            self.backoffs.event(provider, cause, key=key, limit_before=limit_before, limit_after=limit_after,
+                                paused_until=paused_until)
 
     def report_budget(self, provider: str, budget: Budget, key: str | None = None) -> None:
         limiter = self._limiters.get(provider)
@@ -154,6 +163,12 @@ class MemoryBackend:
         if provider in self._limiters:
             self._limiters[provider].restore_state(state)
 
+    def record_usage(self, row: LedgerRow) -> None:
+        return None
+
+    async def fleet_usage(self, query: UsageQuery) -> dict[str, object] | None:
+        return None
+
     def shed_queues(self, error: ProxyError) -> int:
         return sum(limiter.shed(error) for limiter in [*self._limiters.values(), *self._retired.values()])
 
@@ -180,3 +195,15 @@ class MemoryBackend:
 
     async def close(self) -> None:
         return None
+
+
+def _level_now(limiter: ProviderLimiter, key: str | None) -> tuple[int | None, float | None]:
+    """The limit of the level a backoff on ``key`` reaches (None: the provider's own), and when its pause ends
+    (epoch seconds), for the log."""
+    status = limiter.statistics(queue_detail=False)
+    if key is None:
+        return status.limit, None if status.paused_until is None else status.paused_until / 1000
+    for level in status.keys:
+        if level.name == key:
+            return level.limit, None if level.paused_until is None else level.paused_until / 1000
+    return None, None

@@ -39,6 +39,8 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from ..aio import result_if_any
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit, UnknownProvider
+from ..fleet_usage import FleetUsage
+from ..ledger import LedgerRow
 from ..limiter import (
     Budget,
     Clock,
@@ -55,6 +57,8 @@ from ..limiter import (
 )
 from ..limiter.deadlines import Deadlines
 from ..limiter.watchdog import SlotWatchdog
+from ..logs import ThrottledLog
+from ..usage_report import UsageQuery
 from . import lua
 from .memory import MemoryBackend
 
@@ -308,6 +312,7 @@ class RedisBackend:
         on_backend_error: str = "fail_closed",
         local_limit: int | None = None,
         clock: Clock | None = None,
+        usage_retention: float = 30 * 86400.0,
     ) -> None:
         self.clock: Clock = clock or LoopClock()
         self.on_change: Callable[[], None] | None = None
@@ -347,6 +352,10 @@ class RedisBackend:
         self.healthy = True
         self.error: str | None = None
         self._closed = False
+        self._fleet_usage = FleetUsage(key_prefix, usage_retention)
+        self._usage_lost = ThrottledLog(log, logging.WARNING, "the fleet's usage aggregates could not be written to "
+                                        "redis (%s); this replica's own ledger still has the rows",
+                                        interval=60.0)
 
     # ----- lifecycle -------------------------------------------------------------
 
@@ -354,6 +363,7 @@ class RedisBackend:
         """Connect, push the config, and start the grant listener and the renew loop."""
         self._spawn(self._listen(), keep=True)
         self._spawn(self._renew_loop(), keep=True)
+        self._spawn(self._usage_loop(), keep=True)
         if self._mode == "fail_closed":
             self._spawn(self._expiry_loop(), keep=True)
         try:
@@ -367,6 +377,7 @@ class RedisBackend:
         self._closed = True
         for lease in list(self._leases.values()):
             lease.release()
+        self._send_usage()
         await self.flush()
         for task in list(self._tasks):
             task.cancel()
@@ -723,6 +734,42 @@ class RedisBackend:
             finally:
                 await pubsub.aclose()
 
+    # ----- the fleet's usage -----------------------------------------------------------
+
+    def record_usage(self, row: LedgerRow) -> None:
+        self._fleet_usage.add(row)
+
+    async def _usage_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(1.0)
+            self._send_usage()
+
+    def _send_usage(self) -> None:
+        """This replica's requests since the last write, added to the fleet's hourly aggregates."""
+        for key, args in self._fleet_usage.take():
+            answer = self._batch.call("USAGE_ADD", keys=[key], args=tuple(args))
+            self._pending.add(answer)
+            answer.add_done_callback(self._usage_written)
+
+    def _usage_written(self, answer: asyncio.Future[Any]) -> None:
+        self._pending.discard(answer)
+        error = None if answer.cancelled() else answer.exception()
+        if error is not None:
+            self._usage_lost.event(str(error) or type(error).__name__)
+
+    async def fleet_usage(self, query: UsageQuery) -> dict[str, object] | None:
+        if query.per_replica:
+            return None
+        self._send_usage()
+        await self.flush()
+        wanted = self._fleet_usage.keys(query, self._settings)
+        pipeline = self._redis.pipeline(transaction=False)
+        for key, _, _ in wanted:
+            pipeline.hgetall(key)
+        hashes = await pipeline.execute() if wanted else []
+        return FleetUsage.answer(query, ((provider, hour, {_text(k): _text(v) for k, v in fields.items()})
+                                         for (_, provider, hour), fields in zip(wanted, hashes, strict=True)))
+
     async def _renew_loop(self) -> None:
         while not self._closed:
             await asyncio.sleep(self._renew_every)
@@ -803,14 +850,15 @@ class RedisBackend:
         default = policy.default_pause(reduce, settings.default_pause, settings.overload_pause)
         wait_ms = int(policy.pause_length(wait, default) * 1000)
         template = policy.auto_reduce_notice("{N}", cause)
-        label = str(policy.LimitKey(provider, key=key))
 
         def logged(answer: Any) -> None:
-            """The same lines the memory backend's LimitLevel logs: the pause, and a reduction's notice."""
-            reduced, limit = int(answer[0]), _text(answer[1])
-            log.warning("%s paused for %.1fs after a %s", label, wait_ms / 1000, cause)
-            if reduced:
-                log.warning("%s %s", label, policy.auto_reduce_notice(limit, cause))
+            """Logged as the memory backend logs it, through the same summary: the level's limit before and
+            after, and when its (cluster-wide) pause ends."""
+            reduced, limit, paused_until_ms = int(answer[0]), _text(answer[1]), float(_text(answer[2]))
+            after = None if limit == "none" else int(limit)
+            before = after + 1 if reduced and after is not None else after
+            self._local.backoffs.event(provider, cause, key=key, limit_before=before, limit_after=after,
+                                       paused_until=paused_until_ms / 1000)
 
         self._send("BACKOFF", provider, (cause, wait_ms, int(sent_at * 1000), template, "1" if reduce else "0", level),
                    logged)

@@ -87,8 +87,8 @@ def shot(page: Page, request: pytest.FixtureRequest) -> Shot:
     return take
 
 
-async def open_dashboard(page: Page, proxy: Any) -> None:
-    response = await page.goto(f"{proxy.url}/_slotproxy/")
+async def open_dashboard(page: Page, proxy: Any, query: str = "") -> None:
+    response = await page.goto(f"{proxy.url}/_slotproxy/{query}")
     assert response is not None and response.status == 200
     await expect(page.locator("#connection")).to_have_attribute("data-state", "live")
 
@@ -852,3 +852,223 @@ async def test_the_limit_line_stays_visible_over_in_flight_after_a_reduction(
     for response in await asyncio.gather(*holders):
         assert response.status == 200
         response.release()
+
+
+# ----- the usage panel ------------------------------------------------------------------------
+
+FAST_USAGE = "?usage_poll_ms=200"  # the page's own knob: the panel polls every 200 ms instead of every 10 s
+USAGE_ROWS = """panel => [...panel.querySelectorAll('[data-field="usage-workspaces"] > [data-workspace]')].map(row => {
+    const bar = row.querySelector('[data-field="usage-bar"]');
+    const width = part => { const seg = bar.querySelector(`[data-part="${part}"]`);
+                            return seg ? seg.getBoundingClientRect().width : 0; };
+    const left = part => { const seg = bar.querySelector(`[data-part="${part}"]`);
+                           return seg ? seg.getBoundingClientRect().left : NaN; };
+    const colour = part => { const seg = bar.querySelector(`[data-part="${part}"]`);
+                             return seg ? getComputedStyle(seg).backgroundColor : null; };
+    return {
+        workspace: row.dataset.workspace,
+        data: [row.dataset.input, row.dataset.cached, row.dataset.output, row.dataset.requests, row.dataset.unknown].map(Number),
+        numbers: [...row.querySelectorAll('[data-field="usage-numbers"] > span')].map(s => s.textContent),
+        track: bar.getBoundingClientRect().width,
+        widths: { cached: width("cached"), in: width("in"), out: width("out") },
+        lefts: { cached: left("cached"), in: left("in"), out: left("out") },
+        colours: { cached: colour("cached"), in: colour("in"), out: colour("out") },
+    };
+})"""
+CONVERSATION_ROWS = """panel => [...panel.querySelectorAll('tbody[data-field="usage-conversations"] tr')].map(tr => [
+    tr.dataset.conversation, ...[...tr.cells].map(td => td.textContent),
+    Number(tr.dataset.input), Number(tr.dataset.output), Number(tr.dataset.requests)])"""
+
+
+async def respond(client: aiohttp.ClientSession, proxy: Any, workspace: str, conversation: str | None,
+                  usage: dict[str, int]) -> None:
+    """One Responses API request through the proxy; the fake reports ``usage`` as its tokens."""
+    headers = {"X-Workspace-Id": workspace, "x-fake-usage": json.dumps(usage)}
+    if conversation is not None:
+        headers["X-Conversation-Id"] = conversation
+    async with client.post(f"{proxy.url}/openai/responses", json={"model": "m", "input": "hi"},
+                           headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+
+
+async def test_usage_panel_draws_tokens_by_workspace_and_the_top_conversations(
+    start_upstream, start_proxy, client, page, shot
+) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=4))
+    await open_dashboard(page, proxy, FAST_USAGE)
+    panel = page.locator('[data-field="usage"]')
+    await expect(panel).to_have_attribute("data-state", "empty")
+    await expect(panel.locator("h2")).to_have_text("Usage, last 5 hours")
+    await expect(panel.locator('[data-field="usage-empty"]')).to_have_text("No requests in the last 5 hours.")
+    await expect(panel.locator('[data-field="usage-scope"]')).to_have_text("this replica")
+    await expect(panel.locator('[data-field="usage-ledger-off"]')).to_be_hidden()
+    # Below the provider cards, once for the page.
+    assert await page.evaluate("""() => {
+        const cards = document.getElementById('providers'), usage = document.getElementById('usage');
+        return !!(cards.compareDocumentPosition(usage) & Node.DOCUMENT_POSITION_FOLLOWING); }""")
+    await shot("1-empty")
+
+    for _ in range(2):
+        await respond(client, proxy, "alpha", "conv-a1", {"input": 40_000, "cached": 10_000, "output": 2_000})
+    await respond(client, proxy, "alpha", "conv-a2", {"input": 6_000, "output": 1_000})
+    await respond(client, proxy, "beta", "conv-b1", {"input": 9_000, "output": 9_000})
+    await respond(client, proxy, "beta", None, {"input": 1_000, "output": 500})
+    for i in range(11):  # 14 conversations in all: the panel shows the top 10
+        await respond(client, proxy, "gamma", f"conv-g{i:02}", {"input": 100 + i, "output": 1})
+    # A chat stream without stream_options.include_usage: the provider never states its tokens.
+    async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(),
+                           headers={"X-Workspace-Id": "beta"}) as resp:
+        assert resp.status == 200
+        await resp.read()
+
+    await expect(panel).to_have_attribute("data-state", "rows")
+    await expect(panel.locator('[data-field="usage-workspaces"] > [data-workspace]')).to_have_count(3)
+    await expect(panel.locator('tbody[data-field="usage-conversations"] tr')).to_have_count(10)
+    # The stream's row is written as it ends, a moment after its last byte: the next poll brings it.
+    await expect(panel.locator('[data-workspace="beta"]')).to_have_attribute("data-unknown", "1")
+    await expect(panel.locator('[data-field="usage-empty"]')).to_be_hidden()
+    rows = {row["workspace"]: row for row in await panel.evaluate(USAGE_ROWS)}
+    assert list(rows) == ["alpha", "beta", "gamma"]  # the API's order: input + output, largest first
+    # input, cached, output, requests, unknown usage
+    assert rows["alpha"]["data"] == [86_000, 20_000, 5_000, 3, 0]
+    assert rows["beta"]["data"] == [10_000, 0, 9_500, 3, 1]
+    assert rows["gamma"]["data"] == [1_155, 0, 11, 11, 0]
+    assert rows["alpha"]["numbers"] == ["86 k in (20 k cached)", "5 k out", "3 requests"]
+    assert rows["beta"]["numbers"] == ["10 k in", "9.5 k out", "3 requests", "unknown usage: 1 request"]
+    assert rows["gamma"]["numbers"] == ["1.2 k in", "11 out", "11 requests"]
+
+    # Bar lengths: proportional to input + output, the largest filling the track.
+    track = rows["alpha"]["track"]
+    assert track > 400 and all(row["track"] == track for row in rows.values())
+    for name, row in rows.items():
+        inp, _cached, out = row["data"][:3]
+        filled = sum(row["widths"].values())
+        assert abs(filled - track * (inp + out) / 91_000) < 2.5, (name, filled)
+        # Input (its cached part included) and output apart, each proportional to its tokens.
+        assert abs(row["widths"]["cached"] + row["widths"]["in"] - track * inp / 91_000) < 1.5, name
+        if track * out / 91_000 >= 3:
+            assert abs(row["widths"]["out"] - track * out / 91_000) < 1.5, name
+        else:  # a sliver of output stays visible: its 2 px divider
+            assert 0 < row["widths"]["out"] <= 2.5, name
+        assert row["lefts"]["out"] > row["lefts"]["in"]
+    alpha = rows["alpha"]
+    assert abs(alpha["widths"]["cached"] - track * 20_000 / 91_000) < 1.5
+    assert alpha["lefts"]["cached"] < alpha["lefts"]["in"] < alpha["lefts"]["out"]
+    assert len(set(alpha["colours"].values())) == 3, alpha["colours"]  # input, cached input, output: three colours
+    assert rows["beta"]["widths"]["cached"] == 0
+    legend = await panel.locator(".usage-legend li").all_text_contents()
+    assert legend == ["input tokens", "of which read from cache", "output tokens"]
+
+    # The top 10 conversations, by input + output; requests with none are summed apart.
+    conversations = await panel.evaluate(CONVERSATION_ROWS)
+    assert [row[0] for row in conversations] == ["conv-a1", "conv-b1", "conv-a2",
+                                                 *[f"conv-g{i:02}" for i in range(10, 3, -1)]]
+    assert conversations[0] == ["conv-a1", "conv-a1", "80 k", "4 k", "2", 80_000, 4_000, 2]
+    assert conversations[1] == ["conv-b1", "conv-b1", "9 k", "9 k", "1", 9_000, 9_000, 1]
+    assert conversations[3] == ["conv-g10", "conv-g10", "110", "1", "1", 110, 1, 1]
+    await expect(panel.locator('[data-field="usage-conversations-scope"]')).to_have_text("this replica")
+    await expect(panel.locator('[data-field="usage-no-conversation"]')).to_have_text(
+        "Named no conversation: 2 requests, 1 k in · 500 out.")
+    await expect(panel.locator('[data-field="usage-error"]')).to_be_hidden()
+    await panel.screenshot(path=str(ARTIFACTS / "dashboard-usage-panel.png"))
+    await shot("2-usage")
+    await page.emulate_media(color_scheme="dark")
+    await panel.screenshot(path=str(ARTIFACTS / "dashboard-usage-panel-dark.png"))
+
+
+async def test_usage_panel_says_plainly_when_the_ledger_is_off(start_upstream, start_proxy, client, page, shot) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2) + "ledger: {path: null}\n")
+    usage_asks: list[str] = []
+    page.on("request", lambda r: usage_asks.append(r.url) if "/_slotproxy/usage" in r.url else None)
+    status_polls = 0
+
+    def count_status(r: Any) -> None:
+        nonlocal status_polls
+        status_polls += "/_slotproxy/status" in r.url
+
+    await respond(client, proxy, "alpha", "conv-1", {"input": 500, "output": 5})
+    page.on("response", count_status)
+    await open_dashboard(page, proxy)  # the default pace: once on load, then every 10 s
+    panel = page.locator('[data-field="usage"]')
+    await expect(panel).to_have_attribute("data-state", "ledger-off")
+    off = panel.locator('[data-field="usage-ledger-off"]')
+    await expect(off).to_be_visible()
+    await expect(off).to_contain_text("the ledger is off (ledger.path is null in the config)")
+    await expect(panel.locator('[data-field="usage-empty"]')).to_be_hidden()
+    await expect(panel.locator('[data-field="usage-workspaces"] > [data-workspace]')).to_have_count(0)
+    await expect(panel.locator('[data-field="usage-conversations"]')).to_be_hidden()
+    await shot("1-ledger-off")
+    # A database query is not polled like the status: after three status polls, still the one usage poll.
+    await wait_until(lambda: status_polls >= 3, timeout=6, what="three status polls")
+    assert sorted(url.rsplit("by=", 1)[1] for url in usage_asks) == ["conversation", "workspace"], usage_asks
+    assert all("since=5h" in url for url in usage_asks)
+
+
+def workspace_row(name: str, **counts: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"workspace": name, "requests": 1, "errors": 0, "input_tokens": 0, "cached_input_tokens": 0,
+                           "cache_write_tokens": 0, "output_tokens": 0, "reasoning_tokens": 0, "unknown_usage": 0,
+                           "queue_ms_p50": 0, "queue_ms_max": 0}
+    row.update(counts)
+    return row
+
+
+async def test_usage_panel_shows_the_fleet_and_keeps_its_last_answer_when_a_poll_fails(
+    start_upstream, start_proxy, page, shot
+) -> None:
+    """Answers as a Redis fleet gives them: workspaces fleet-wide, conversations from this replica's ledger (here off)."""
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    now = int(time.time() * 1000)
+    workspaces = [workspace_row("release-team", requests=12, errors=1, input_tokens=1_234_567,
+                                cached_input_tokens=600_000, output_tokens=34_000)]
+    workspaces += [workspace_row(f"ws-{i:02}", input_tokens=1000 - i, output_tokens=10) for i in range(22)]
+    answer: dict[str, Any] = {"status": 200}
+
+    async def fleet(route: Any) -> None:
+        if answer["status"] != 200:
+            await route.fulfill(status=answer["status"], json={"error": {"message": answer["message"]}})
+        elif "by=conversation" in route.request.url:
+            await route.fulfill(json={"since": now - 5 * 3_600_000, "until": now, "by": ["conversation"],
+                                      "scope": "replica", "rows": [],
+                                      "ledger": "off (ledger.path is null): nothing is recorded"})
+        else:
+            await route.fulfill(json={"since": now - 5 * 3_600_000, "until": now, "by": ["workspace"],
+                                      "scope": "fleet", "rows": workspaces})
+
+    await page.route("**/_slotproxy/usage?*", fleet)
+    await open_dashboard(page, proxy, FAST_USAGE)
+    panel = page.locator('[data-field="usage"]')
+    await expect(panel).to_have_attribute("data-scope", "fleet")
+    await expect(panel.locator('[data-field="usage-scope"]')).to_have_text("whole fleet")
+    rows = panel.locator('[data-field="usage-workspaces"] > [data-workspace]')
+    await expect(rows).to_have_count(20)
+    await expect(panel.locator('[data-field="usage-more"]')).to_have_text("…and 3 more workspaces, with fewer tokens.")
+    first = rows.first
+    await expect(first).to_have_attribute("data-workspace", "release-team")
+    await expect(first.locator('[data-field="usage-numbers"] > span')).to_have_text(
+        ["1.2 M in (600 k cached)", "34 k out", "12 requests", "1 error"])
+    await expect(first.locator('[data-field="usage-input"]')).to_have_attribute("title", "1,234,567 input tokens")
+    await expect(panel.locator('[data-field="usage-conversations-scope"]')).to_have_text(
+        "this replica only: conversations are not kept fleet-wide")
+    await expect(panel.locator('[data-field="usage-conversations-off"]')).to_be_visible()
+    await expect(panel.locator('[data-field="usage-conversations-empty"]')).to_be_hidden()
+    await expect(panel.locator('[data-field="usage-ledger-off"]')).to_be_hidden()
+    await shot("1-fleet")
+
+    # A failed poll keeps the last answer on screen, greyed, and says why.
+    answer.update(status=500, message="database is locked")
+    error = panel.locator('[data-field="usage-error"]')
+    await expect(error).to_have_text("Usage could not be read (database is locked); showing the last answer.")
+    await expect(panel).to_have_class(re.compile(r"\bstale\b"))
+    await expect(rows).to_have_count(20)
+    await shot("2-poll-failed")
+    answer.update(status=200)
+    await expect(error).to_be_hidden()
+    await expect(panel).not_to_have_class(re.compile(r"\bstale\b"))
+
+    # A proxy from before the usage route: no panel.
+    answer.update(status=404, message="not found")
+    await expect(panel).to_be_hidden()
