@@ -32,8 +32,9 @@ CLIENT_KEY_VAR = "SLOTPROXY_KEY"
 CLIENT_KEY_HEADER = "X-Slotproxy-Key"
 STARRED_VAR = "SLOTPROXY_STARRED"
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
-NO_ANTHROPIC = "none has auth: x-api-key or an api.anthropic.com upstream"
-NO_OPENAI = "every provider is an Anthropic one (auth: x-api-key or an api.anthropic.com upstream)"
+NO_ANTHROPIC = "none has auth: x-api-key, an api.anthropic.com upstream or an id naming anthropic or claude"
+NO_OPENAI = ("every provider is an Anthropic one (auth: x-api-key, an api.anthropic.com upstream or an id naming "
+             "anthropic or claude)")
 
 
 @dataclass(frozen=True)
@@ -94,16 +95,21 @@ def normalize_url(url: str) -> str:
     return url.strip().rstrip("/")
 
 
-def _is_anthropic(provider: Provider) -> bool:
-    return provider.auth == "x-api-key" or urlsplit(provider.upstream).hostname == "api.anthropic.com"
+def _is_anthropic(name: str, provider: Provider) -> bool:
+    """Anthropic's API: its auth style, its upstream, or a provider named for it (a local or proxied
+    upstream keeps the id that says what it serves)."""
+    return provider.auth == "x-api-key" or urlsplit(provider.upstream).hostname == "api.anthropic.com" \
+        or any(word in name.lower() for word in ("anthropic", "claude"))
 
 
 def _provider_for(config: Config, anthropic: bool) -> str | None:
-    """The first provider of that family; for OpenAI, one whose upstream is api.openai.com comes first."""
-    candidates = [name for name, provider in config.providers.items() if _is_anthropic(provider) == anthropic]
-    if not anthropic:
-        official = [name for name in candidates if urlsplit(config.providers[name].upstream).hostname == "api.openai.com"]
-        candidates = official + [name for name in candidates if name not in official]
+    """The first provider of that family: the one named for it (``openai``, ``anthropic``), else one whose
+    upstream is the provider's own, else the first in the config."""
+    candidates = [name for name, provider in config.providers.items()
+                  if _is_anthropic(name, provider) == anthropic]
+    host = "api.anthropic.com" if anthropic else "api.openai.com"
+    wanted = "anthropic" if anthropic else "openai"
+    candidates.sort(key=lambda name: (name != wanted, urlsplit(config.providers[name].upstream).hostname != host))
     return candidates[0] if candidates else None
 
 

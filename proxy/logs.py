@@ -229,8 +229,15 @@ class BackoffLog:
 
 def _counts(causes: dict[str, int]) -> str:
     """``15 upstream 429s``, ``12 upstream 429s and 3 upstream overloaded_errors``."""
-    parts = [f"{count} upstream {cause}{'' if count == 1 else 's'}" for cause, count in causes.items()]
+    parts = [f"{count} upstream {_plural(cause, count)}" for cause, count in causes.items()]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _plural(cause: str, count: int) -> str:
+    """``429s``, ``overloaded_errors``; a code that names no error as such: ``rate_limit_exceeded errors``."""
+    if count == 1:
+        return cause
+    return cause + "s" if cause.isdigit() or cause.endswith("error") else f"{cause} errors"
 
 
 def _seconds(seconds: float) -> str:

@@ -268,3 +268,15 @@ def test_the_readme_guide_is_the_command_s_output(agent: str) -> None:
     fences = [snippet.lang for snippet in guide(parse_config(EXAMPLE.read_text()), agent, URL).snippets]
     for lang, block in zip(fences, blocks, strict=True):
         assert f"```{lang}\n{block}```" in README
+
+
+def test_a_local_anthropic_provider_is_known_by_its_id_and_codex_gets_the_openai_one(tmp_path) -> None:
+    """A provider named anthropic in front of a local upstream, with the default auth, listed first."""
+    from proxy.clients import guide
+    from proxy.config import parse_config
+
+    config = parse_config("providers:\n  anthropic: {upstream: 'http://127.0.0.1:9100'}\n"
+                          "  openai: {upstream: 'http://127.0.0.1:9100/v1'}\n")
+    texts = {agent: guide(config, agent, "http://127.0.0.1:8787").text for agent in ("codex", "claude-code")}
+    assert 'openai_base_url = "http://127.0.0.1:8787/openai"' in texts["codex"]
+    assert "ANTHROPIC_BASE_URL=http://127.0.0.1:8787/anthropic" in texts["claude-code"]
