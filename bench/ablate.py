@@ -52,8 +52,9 @@ VARIANTS = {
 
 
 def _switch_off(parts: set[str]) -> None:
-    from proxy import app, relay
+    from proxy.http import relay
     from proxy.limiter import Priority
+    from proxy.server import app
 
     if "slot" in parts:
         init = relay.Exchange.__init__

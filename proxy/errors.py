@@ -23,7 +23,7 @@
 
 Foreign errors (aiohttp, YAML, pydantic, Redis) are translated into these at one
 boundary each, with ``raise ... from exc``. An upstream's failure (connect, DNS,
-TLS, a cut stream, a timeout) is put in words by ``proxy.upstream_errors``: host
+TLS, a cut stream, a timeout) is put in words by ``proxy.http.upstream_errors``: host
 and port, what happened, no library class names, no secrets.
 """
 

@@ -18,10 +18,10 @@ from aiohttp import web
 from hypothesis import settings
 
 from proxy.admin.status import status_document
-from proxy.app import start_server
 from proxy.config import parse_config
-from proxy.fake_upstream import FakeUpstream, start_fake_upstream
-from proxy.runtime import ProxyState
+from proxy.http.runtime import ProxyState
+from proxy.server.app import start_server
+from proxy.tools.fake_upstream import FakeUpstream, start_fake_upstream
 
 # Hypothesis: "ci" is fixed-seed and quick; HYPOTHESIS_PROFILE=long searches harder.
 settings.register_profile("ci", derandomize=True, max_examples=200, deadline=None, print_blob=True)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.bind import BindFailed, describe, unprivileged_port_start
 from proxy.config import parse_config
+from proxy.server.bind import BindFailed, describe, unprivileged_port_start
 
 from .conftest import free_port
 
@@ -99,7 +99,7 @@ def test_a_holder_the_os_does_not_show_is_left_out_not_guessed() -> None:
 async def test_a_port_taken_after_the_cli_looked_is_still_one_line(held_port, tmp_path: Path) -> None:
     """``serve`` probes the port before it logs anything; one taken between that probe and the real
     bind is translated where the server starts."""
-    from proxy.server import _serve
+    from proxy.server.run import _serve
 
     port, pid = held_port
     config = parse_config("state: {path: null}\nproviders: {openai: {upstream: 'http://127.0.0.1:9/v1'}}\n")
@@ -224,7 +224,7 @@ def test_other_errors_are_not_dressed_up_as_bind_failures() -> None:
 
 
 def test_the_probe_lets_go_of_what_it_bound() -> None:
-    from proxy.bind import probe
+    from proxy.server.bind import probe
 
     port = free_port()
     probe("127.0.0.1", port)

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from proxy.budgets import MAX_HOLD, read_budget
+from proxy.providers.budgets import MAX_HOLD, read_budget
 
 NOW = 1_800_000_000.0
 

@@ -81,7 +81,7 @@ import aiohttp
 import pytest
 
 from proxy.config import parse_config
-from proxy.server import ConfigWatcher
+from proxy.server.run import ConfigWatcher
 
 from .conftest import Proxy, Upstream, serve_app, wait_until
 

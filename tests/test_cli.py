@@ -226,7 +226,7 @@ def test_the_redis_backend_without_its_client_is_one_line_and_exit_2(tmp_path: P
 
 
 def test_serve_names_the_dashboard_url() -> None:
-    from proxy.server import dashboard_url
+    from proxy.server.run import dashboard_url
 
     assert dashboard_url("127.0.0.1", 8787) == "http://127.0.0.1:8787/_slotproxy/"
     assert dashboard_url("0.0.0.0", 80) == "http://127.0.0.1:80/_slotproxy/"

@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 
 from proxy.cli import build_parser, main
-from proxy.clients import AGENTS, default_url, guide, normalize_url
+from proxy.cli.clients import AGENTS, default_url, guide, normalize_url
 from proxy.config import parse_config
 
 from .test_cli import REPO, run_cli
@@ -272,7 +272,7 @@ def test_the_readme_guide_is_the_command_s_output(agent: str) -> None:
 
 def test_a_local_anthropic_provider_is_known_by_its_id_and_codex_gets_the_openai_one(tmp_path) -> None:
     """A provider named anthropic in front of a local upstream, with the default auth, listed first."""
-    from proxy.clients import guide
+    from proxy.cli.clients import guide
     from proxy.config import parse_config
 
     config = parse_config("providers:\n  anthropic: {upstream: 'http://127.0.0.1:9100'}\n"

@@ -31,7 +31,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.connections import connection_cap
+from proxy.http.connections import connection_cap
 
 from .conftest import Proxy, chat, free_port, serve_app, wait_until
 from .test_bad_input import (

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy import demo
 from proxy.cli import build_parser
+from proxy.tools.demo import fleet as demo
 
 REPO = Path(__file__).resolve().parent.parent
 FLEET = ["--agents", "10", "--cap", "3", "--duration", "3"]

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from proxy.config import Config, parse_config
-from proxy.guard import BrowserGuard
+from proxy.http.guard import BrowserGuard
 
 from .conftest import Proxy, free_port, provider_yaml
 

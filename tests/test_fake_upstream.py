@@ -25,8 +25,8 @@ import openai
 import pytest
 from backports import zstd
 
-from proxy import fake_upstream
-from proxy.fake_upstream import FakeUpstream, add_arguments, start_fake_upstream
+from proxy.tools.fake_upstream import FakeUpstream, add_arguments, start_fake_upstream
+from proxy.tools.fake_upstream import server as fake_upstream
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"

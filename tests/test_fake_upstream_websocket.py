@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from aiohttp import WSMsgType
 
-from proxy.fake_upstream import FakeUpstream, add_arguments, start_fake_upstream
+from proxy.tools.fake_upstream import FakeUpstream, add_arguments, start_fake_upstream
 
 RESPONSES = "/v1/responses"
 BETA = {"OpenAI-Beta": "responses_websockets=2026-02-06"}

@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from proxy.config.model import env_name_for_display, looks_like_a_key
-from proxy.connections import ConnectionGuard, ConnectionSettings, connection_cap
+from proxy.http.connections import ConnectionGuard, ConnectionSettings, connection_cap
 
 from .conftest import chat
 

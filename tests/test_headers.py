@@ -12,7 +12,7 @@ import json
 import pytest
 from multidict import CIMultiDict
 
-from proxy.headers import (
+from proxy.http.headers import (
     PriorityHeaders,
     client_wait_limit,
     forward_request_headers,

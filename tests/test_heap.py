@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from proxy.heap import FULL_PASS_AFTER, HeapKeeper, PauseHook, settle_heap
+from proxy.http.heap import FULL_PASS_AFTER, HeapKeeper, PauseHook, settle_heap
 from proxy.limiter import FakeClock
 
 

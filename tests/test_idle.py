@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from proxy.idle import IdleWatch
+from proxy.http.idle import IdleWatch
 
 
 async def _held(watches: IdleWatch, delay: float, touches: int, gap: float) -> str:

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from proxy.errors import AdminError
-from proxy.fleet_usage import FleetUsage, usage_key
-from proxy.ledger import COLUMNS, Ledger, LedgerRow
-from proxy.usage_report import answer, parse_query, queue_median_sql, totals_sql
+from proxy.ledger.fleet import FleetUsage, usage_key
+from proxy.ledger.report import answer, parse_query, queue_median_sql, totals_sql
+from proxy.ledger.store import COLUMNS, Ledger, LedgerRow
 
 NOW_MS = 1_800_000_123_456
 
@@ -103,7 +103,7 @@ def test_the_query_is_validated_naming_the_parameter() -> None:
 
 def test_the_report_groups_sums_and_sorts_by_tokens() -> None:
     connection = sqlite3.connect(":memory:")
-    from proxy.ledger import _INSERT, _SCHEMA
+    from proxy.ledger.store import _INSERT, _SCHEMA
 
     connection.executescript(_SCHEMA)
     rows = [row(workspace="web", queue_ms=10), row(workspace="web", queue_ms=30, output_tokens=80),

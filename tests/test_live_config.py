@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from proxy.admin.status import status_document
-from proxy.app import start_server
 from proxy.config import load_config
-from proxy.runtime import ProxyState
-from proxy.server import ConfigWatcher
+from proxy.http.runtime import ProxyState
+from proxy.server.app import start_server
+from proxy.server.run import ConfigWatcher
 
 from .conftest import chat, free_port, wait_until
 from .test_cli import wait_http

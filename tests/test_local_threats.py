@@ -24,10 +24,10 @@ import aiohttp
 import pytest
 
 from proxy.admin.throttle import AuthFailures
-from proxy.guard import BrowserGuard, check_path, host_name
-from proxy.headers import PriorityHeaders, parse_priority
+from proxy.http.guard import BrowserGuard, check_path, host_name
+from proxy.http.headers import PriorityHeaders, parse_priority
+from proxy.http.state import MAX_RUNTIME_STARS
 from proxy.limiter import FakeClock
-from proxy.state import MAX_RUNTIME_STARS
 
 from .conftest import Proxy, chat, wait_until
 from .test_bad_input import Recorder, assert_error, recorder, send_raw

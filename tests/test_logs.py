@@ -21,10 +21,10 @@ import aiohttp
 import pytest
 
 from proxy.config import load_config
+from proxy.http.runtime import ProxyState
 from proxy.limiter import FakeClock
 from proxy.logs import BackoffLog
-from proxy.runtime import ProxyState
-from proxy.server import ConfigWatcher
+from proxy.server.run import ConfigWatcher
 
 from .backends.conftest import REDIS_URL, delete_prefix, require_redis
 from .conftest import Proxy, chat, wait_until

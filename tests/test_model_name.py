@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy.model_name import request_model
+from proxy.providers.model_name import request_model
 
 
 @pytest.mark.parametrize(("body", "model"), [
@@ -35,7 +35,7 @@ def test_a_gemini_style_path_names_the_model() -> None:
 
 
 def test_the_model_hint_reads_the_opening_or_the_end_of_a_body_but_never_parses_it() -> None:
-    from proxy.model_name import model_hint
+    from proxy.providers.model_name import model_hint
 
     messages = ", ".join(['{"role": "user", "content": "' + "x" * 500 + '"}'] * 40)
     assert model_hint("responses", b'{"model": "gpt-5", "input": []}') == "gpt-5"

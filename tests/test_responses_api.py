@@ -13,7 +13,7 @@ import openai
 import pytest
 from openai.types.responses import ResponseStreamEvent
 
-from proxy.fake_upstream import FakeUpstream
+from proxy.tools.fake_upstream import FakeUpstream
 
 from .conftest import Proxy, Upstream, provider_yaml, wait_until
 

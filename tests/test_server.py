@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from proxy.app import start_server
 from proxy.config import parse_config
-from proxy.runtime import ProxyState
+from proxy.http.runtime import ProxyState
+from proxy.server.app import start_server
 
 from .backends.conftest import REDIS_URL, require_redis
 from .conftest import chat, free_port, wait_healthy

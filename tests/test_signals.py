@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from proxy.signals import (
+from proxy.providers.signals import (
     MAX_WAIT,
     Backoff,
     StreamErrorScanner,

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from proxy.config import parse_config
+from proxy.http.runtime import ProxyState
+from proxy.http.state import STATE_VERSION
 from proxy.limiter import auto_reduce_notice
-from proxy.runtime import ProxyState
-from proxy.state import STATE_VERSION
 
 from .conftest import free_port
 from .test_cli import wait_http

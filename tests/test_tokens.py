@@ -8,8 +8,8 @@ import zlib
 
 import pytest
 
-from proxy.signals import stream_scanner
-from proxy.tokens import TokenCounts, UsageReader, usage_in
+from proxy.providers.signals import stream_scanner
+from proxy.providers.tokens import TokenCounts, UsageReader, usage_in
 
 CHAT_USAGE = {"prompt_tokens": 120, "completion_tokens": 30, "total_tokens": 150,
               "prompt_tokens_details": {"cached_tokens": 100, "audio_tokens": 0},

@@ -23,8 +23,8 @@ import pytest
 from aiohttp import web
 from aiohttp.client_reqrep import ConnectionKey
 
-from proxy import upstream_errors
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
+from proxy.http import upstream_errors
 
 from .conftest import chat, free_port, serve_app, wait_until
 from .test_bad_input import assert_error

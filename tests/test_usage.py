@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.ledger import COLUMNS
+from proxy.ledger.store import COLUMNS
 
 from .backends.conftest import REDIS_URL, delete_prefix, require_redis
 from .conftest import Proxy, Upstream, chat, free_port, wait_healthy, wait_until

@@ -577,7 +577,7 @@ async def test_metrics_count_open_sockets_and_each_response(start_upstream, star
 
 async def test_graceful_shutdown_closes_idle_sockets_and_lets_a_response_finish(start_upstream, start_proxy,
                                                                                client) -> None:
-    from proxy.server import shutdown
+    from proxy.server.run import shutdown
 
     up = await start_upstream(chunks=8, delay_ms=40)
     proxy = await start_proxy(ws_yaml(up, limit=2))

@@ -12,7 +12,7 @@ import asyncio
 import os
 import signal
 
-from proxy.fake_upstream import FakeUpstream, start_fake_upstream
+from proxy.tools.fake_upstream import FakeUpstream, start_fake_upstream
 
 
 async def main() -> None:

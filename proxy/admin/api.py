@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
-from ..answers import json_answer
-from ..body import read_body
 from ..errors import AdminError, BodyTooLarge, UnknownProvider
-from ..headers import valid_label
-from ..keys import STATE
+from ..http.answers import json_answer
+from ..http.body import read_body
+from ..http.headers import valid_label
+from ..http.keys import STATE
+from ..http.state import TooManyStars
 from ..limiter import validate_limit
-from ..state import TooManyStars
 from .status import provider_document
 
 if TYPE_CHECKING:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from ..answers import Answer, json_answer
-from ..keys import STATE
+from ..http.answers import Answer, json_answer
+from ..http.keys import STATE
+from ..http.metrics import CONTENT_TYPE
 from . import api
 from .history import History
-from .metrics import CONTENT_TYPE
 from .status import status_document
 from .usage import usage
 

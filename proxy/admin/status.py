@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..http.runtime import ProxyState
 from ..limiter import ProviderStatus
-from ..runtime import ProxyState
 
 __all__ = ["provider_document", "status_document"]
 

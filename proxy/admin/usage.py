@@ -7,10 +7,16 @@ from typing import Any
 
 from aiohttp import web
 
-from ..answers import json_answer
-from ..keys import STATE
-from ..runtime import ProxyState
-from ..usage_report import UsageQuery, answer, parse_query, queue_median_sql, totals_sql
+from ..http.answers import json_answer
+from ..http.keys import STATE
+from ..http.runtime import ProxyState
+from ..ledger.report import (
+    UsageQuery,
+    answer,
+    parse_query,
+    queue_median_sql,
+    totals_sql,
+)
 
 __all__ = ["usage", "usage_document"]
 

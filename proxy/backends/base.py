@@ -6,7 +6,8 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from ..errors import ProxyError
-from ..ledger import LedgerRow
+from ..ledger.report import UsageQuery
+from ..ledger.store import LedgerRow
 from ..limiter import (
     Budget,
     Clock,
@@ -16,7 +17,6 @@ from ..limiter import (
     ProviderStatus,
     SlotLease,
 )
-from ..usage_report import UsageQuery
 
 __all__ = ["Backend"]
 

@@ -7,7 +7,8 @@ from collections.abc import Callable, Mapping
 
 from ..aio import result_if_any
 from ..errors import ProxyError, UnknownProvider
-from ..ledger import LedgerRow
+from ..ledger.report import UsageQuery
+from ..ledger.store import LedgerRow
 from ..limiter import (
     Budget,
     Clock,
@@ -20,7 +21,6 @@ from ..limiter import (
     SlotLease,
 )
 from ..logs import BackoffLog
-from ..usage_report import UsageQuery
 
 __all__ = ["MemoryBackend"]
 

@@ -16,15 +16,15 @@ import sys
 import time
 from collections.abc import Sequence
 
-from . import __version__
-from .bind import BindFailed
+from .. import __version__
+from ..server.bind import BindFailed
 
 TYPE_CHECKING = False  # typing's own costs an import on every call; mypy reads this name the same
 if TYPE_CHECKING:
     from pathlib import Path
     from typing import Any
 
-    from .config import Config
+    from ..config import Config
 
 __all__ = ["build_parser", "format_status", "main"]
 
@@ -78,7 +78,7 @@ def find_config(explicit: str | None) -> Path:
 
 def _load(path: Path) -> Config:
     """The config at ``path``; one with no provider is refused (``check``, ``serve`` and ``clients``)."""
-    from .config import ConfigError, load_config, missing_folders
+    from ..config import ConfigError, load_config, missing_folders
 
     try:
         config = load_config(path, require_providers=True)
@@ -92,7 +92,7 @@ def _load(path: Path) -> Config:
 
 def check_bind(config: Config, host: str) -> None:
     """Refuse a non-loopback bind without an admin token, unless explicitly allowed."""
-    from .guard import is_loopback_address
+    from ..http.guard import is_loopback_address
 
     if is_loopback_address(host) or config.admin.allow_unauthenticated:
         return
@@ -120,7 +120,7 @@ def check_backend_client(config: Config) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .bind import probe
+    from ..server.bind import probe
 
     path = find_config(args.config)
     config = _load(path)
@@ -130,8 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_backend_client(config)
     probe(host, port)  # a taken port is the one line printed, before start-up logs anything
 
-    from .logs import setup_logging
-    from .server import serve
+    from ..logs import setup_logging
+    from ..server.run import serve
 
     setup_logging(args.log_format, args.log_level)
     return serve(config, str(path), host, port)
@@ -522,7 +522,7 @@ def _watch(url: str, as_json: bool, interval: float) -> int:
 def cmd_usage(args: argparse.Namespace) -> int:
     import json
 
-    from .usage_report import format_usage
+    from ..ledger.report import format_usage
 
     url = _base_url(args.url)
     document, _ = fetch_json(url, USAGE_PATH, {"since": args.since, "by": args.by})
@@ -531,7 +531,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
 
 
 def cmd_fake_upstream(args: argparse.Namespace) -> int:
-    from . import fake_upstream
+    from ..tools import fake_upstream
 
     fake_upstream.run(port=args.port, cap=args.cap, chunks=args.chunks, delay_ms=args.delay_ms, lag_ms=args.lag_ms,
                       key_limit=args.key_limit, window_requests=args.window_requests,
@@ -541,7 +541,7 @@ def cmd_fake_upstream(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo
+    from ..tools import demo
 
     return demo.main(args)
 
@@ -561,7 +561,7 @@ def cmd_clients(args: argparse.Namespace) -> int:
 def cmd_schema(args: argparse.Namespace) -> int:
     import json
 
-    from .config import config_json_schema
+    from ..config import config_json_schema
 
     print(json.dumps(config_json_schema(), indent=2))
     return 0
@@ -642,7 +642,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         description="A mock OpenAI- and Anthropic-compatible provider on 127.0.0.1 with a hard concurrency cap "
                     "(over it, 429 with Retry-After), for trying slotproxy out; GET /stats shows what it saw.")
     if command in (None, "fake-upstream"):
-        from . import fake_upstream
+        from ..tools import fake_upstream
 
         fake_upstream.add_arguments(fake)
     fake.set_defaults(func=cmd_fake_upstream)
@@ -652,7 +652,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         description="Start a capped fake provider, the proxy and a fleet of simulated agents on 127.0.0.1, show "
                     "live progress, and end with a summary.")
     if command in (None, "demo"):
-        from . import demo
+        from ..tools import demo
 
         demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=cmd_demo)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .config import Config
-from .config.model import Provider
+from ..config import Config
+from ..config.model import Provider
 
 __all__ = ["AGENTS", "CLIENT_KEY_VAR", "Guide", "Snippet", "default_url", "guide", "normalize_url", "render"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Mapping
 
-from .errors import Forbidden
+from ..errors import Forbidden
 
 __all__ = ["CLIENT_KEY_HEADER", "ClientKeys"]
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import time
 
-from .decoders import StreamDecoder, decoder_for
-from .ledger import LedgerRow
-from .limiter import Priority
-from .tokens import UsageReader
+from ..ledger.store import LedgerRow
+from ..limiter import Priority
+from ..providers.decoders import StreamDecoder, decoder_for
+from ..providers.tokens import UsageReader
 
 __all__ = ["Account", "BodyTail"]
 

@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp import web
 
-from .errors import BodyTooLarge, RequestTimeout
+from ..errors import BodyTooLarge, RequestTimeout
 
 __all__ = ["read_body"]
 

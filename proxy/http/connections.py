@@ -34,9 +34,9 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from ..errors import BadRequest, ProxyError, TooManyConnections, UpstreamTimeout
+from ..logs import ThrottledLog
 from .answers import Answer
-from .errors import BadRequest, ProxyError, TooManyConnections, UpstreamTimeout
-from .logs import ThrottledLog
 
 __all__ = [
     "ConnectionGuard",

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
-from .errors import BadRequest, UnknownProvider
+from ..errors import BadRequest, UnknownProvider
 
 __all__ = [
     "BrowserGuard",

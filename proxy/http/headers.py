@@ -12,9 +12,9 @@ from datetime import UTC, datetime
 
 from multidict import CIMultiDict
 
-from .errors import BadRequest
-from .limiter import Priority
-from .limiter.policy import CLIENT_DEADLINE_MARGIN
+from ..errors import BadRequest
+from ..limiter import Priority
+from ..limiter.policy import CLIENT_DEADLINE_MARGIN
 
 __all__ = [
     "HOP_BY_HOP",

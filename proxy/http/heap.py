@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .limiter import Clock, Timer
+from ..limiter import Clock, Timer
 
 __all__ = ["Collector", "HeapKeeper", "PauseHook", "process_pauses", "settle_heap"]
 

@@ -15,8 +15,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from .limiter.clock import Timer
-from .limiter.deadlines import Deadlines
+from ..limiter.clock import Timer
+from ..limiter.deadlines import Deadlines
 
 __all__ = ["IdleWatch", "Watch"]
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from ..errors import ProxyError, RequestTimeout
 from .answers import Answer, json_answer
-from .errors import ProxyError, RequestTimeout
 from .runtime import ProxyState
 
 __all__ = ["QUEUE_MS_HEADER", "STATE", "error_response"]

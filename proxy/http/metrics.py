@@ -19,9 +19,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ..heap import process_pauses
-from ..ledger import LedgerRow
+from ..ledger.store import LedgerRow
 from ..limiter import ProviderStatus
+from .heap import process_pauses
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 

@@ -19,12 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
-from . import upstream_errors
-from .accounting import Account, BodyTail
-from .answers import ALLOWED_ORIGIN, Answer, StreamedAnswer, WrittenAnswer
-from .body import read_body
-from .budgets import read_budget
-from .errors import (
+from ..errors import (
     BadRequest,
     ProxyError,
     QueueFull,
@@ -34,6 +29,20 @@ from .errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from ..limiter import Budget, Priority, SlotLease
+from ..providers.budgets import read_budget
+from ..providers.model_name import model_hint, request_model
+from ..providers.signals import (
+    Backoff,
+    classify_response,
+    readable_body,
+    stream_scanner,
+)
+from ..providers.tokens import UsageReader
+from . import upstream_errors
+from .accounting import Account, BodyTail
+from .answers import ALLOWED_ORIGIN, Answer, StreamedAnswer, WrittenAnswer
+from .body import read_body
 from .headers import (
     check_header_bytes,
     client_wait_limit,
@@ -43,15 +52,11 @@ from .headers import (
 )
 from .idle import Watch
 from .keys import QUEUE_MS_HEADER, STATE, error_response
-from .limiter import Budget, Priority, SlotLease
-from .model_name import model_hint, request_model
 from .runtime import ProxyState
-from .signals import Backoff, classify_response, readable_body, stream_scanner
-from .tokens import UsageReader
 from .websocket import relay_websocket, wants_websocket
 
 if TYPE_CHECKING:
-    from .config import ProviderSettings
+    from ..config import ProviderSettings
 
 __all__ = ["Exchange", "proxy_handler", "relay"]
 

@@ -23,21 +23,21 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
+from ..admin.throttle import AuthFailures
+from ..backends import Backend, MemoryBackend
+from ..config import Config, ProviderSettings, beside_config
+from ..ledger.store import Ledger
+from ..limiter import KeySettings, LimiterSettings, ModelCap, SlotLease, policy
+from ..providers.concurrency_gate import UsagePollers
 from .access import ClientKeys
 from .accounting import Account
-from .admin.metrics import Metrics
-from .admin.throttle import AuthFailures
-from .backends import Backend, MemoryBackend
-from .config import Config, ProviderSettings, beside_config
 from .connections import ConnectionGuard, ConnectionSettings
 from .guard import BrowserGuard
 from .headers import PriorityHeaders
 from .idle import IdleWatch
-from .ledger import Ledger
-from .limiter import KeySettings, LimiterSettings, ModelCap, SlotLease, policy
+from .metrics import Metrics
 from .state import StarOverrides, StateStore, StateWriter
 from .upstreams import Upstreams
-from .usage import UsagePollers
 
 __all__ = ["OpenSocket", "OpenSockets", "ProxyState", "limiter_settings", "make_backend"]
 
@@ -238,7 +238,7 @@ class ProxyState:
 
 def make_backend(config: Config) -> Backend:
     if config.backend.kind == "redis":
-        from .backends.redis import RedisBackend
+        from ..backends.redis.backend import RedisBackend
 
         return RedisBackend(
             config.backend.url,

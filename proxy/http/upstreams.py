@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 import aiohttp
 from multidict import CIMultiDict
 
-from .config import ProviderSettings
+from ..config import ProviderSettings
 
 __all__ = ["Upstreams", "expect_upgrade", "refused_upgrade_body"]
 
@@ -135,7 +135,7 @@ class Upstreams:
         key = settings.connect_timeout
         timeout = self._timeouts.get(key)
         if timeout is None:
-            # idle_timeout is the relay's own (proxy.idle): aiohttp's sock_read would set a timer per read.
+            # idle_timeout is the relay's own (proxy.http.idle): aiohttp's sock_read would set a timer per read.
             timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout, sock_read=None)
             self._timeouts[key] = timeout
         return timeout

@@ -31,16 +31,20 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from multidict import CIMultiDict
 from yarl import URL
 
-from . import upstream_errors
-from .accounting import Account
-from .answers import ALLOWED_ORIGIN, Answer
-from .errors import (
+from ..errors import (
     ProxyError,
     QueueFull,
     QueueTimeout,
     ShuttingDown,
     WebSocketUnsupported,
 )
+from ..limiter import Priority, SlotLease
+from ..providers.model_name import frame_model, model_hint
+from ..providers.signals import Backoff, classify_response, event_backoff, readable_body
+from ..providers.tokens import UsageReader
+from . import upstream_errors
+from .accounting import Account
+from .answers import ALLOWED_ORIGIN, Answer
 from .headers import (
     body_turn_started_at,
     forward_request_headers,
@@ -49,15 +53,11 @@ from .headers import (
 )
 from .idle import Watch
 from .keys import error_response
-from .limiter import Priority, SlotLease
-from .model_name import frame_model, model_hint
 from .runtime import ProxyState
-from .signals import Backoff, classify_response, event_backoff, readable_body
-from .tokens import UsageReader
 from .upstreams import expect_upgrade, refused_upgrade_body
 
 if TYPE_CHECKING:
-    from .config import ProviderSettings
+    from ..config import ProviderSettings
 
 __all__ = ["relay_websocket", "wants_websocket"]
 

@@ -18,8 +18,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .ledger import TOKEN_COLUMNS, LedgerRow
-from .usage_report import HOUR_MS, UsageQuery, answer
+from .report import HOUR_MS, UsageQuery, answer
+from .store import TOKEN_COLUMNS, LedgerRow
 
 __all__ = ["QUEUE_BUCKETS_MS", "FleetUsage", "usage_key"]
 

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AdminError
-from .ledger import TOKEN_COLUMNS
+from ..errors import AdminError
+from .store import TOKEN_COLUMNS
 
 __all__ = ["GROUPS", "UsageQuery", "answer", "format_usage", "parse_query", "queue_median_sql", "totals_sql"]
 

@@ -24,8 +24,8 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
-from .aio import cancel_and_wait
-from .logs import ThrottledLog
+from ..aio import cancel_and_wait
+from ..logs import ThrottledLog
 
 __all__ = ["COLUMNS", "OUTCOMES", "TOKEN_COLUMNS", "Ledger", "LedgerRow"]
 

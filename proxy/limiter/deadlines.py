@@ -1,5 +1,5 @@
 """Deadlines with one timer for them all, not one each: the queue timeouts of both backends, and the
-relay's idle timeouts (``proxy.idle``).
+relay's idle timeouts (``proxy.http.idle``).
 
 Deadlines sit in a min-heap and one timer is armed for the earliest. A waiter
 that leaves early (granted, cancelled) is not searched for: it is skipped when it

@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from datetime import datetime
 
-from .limiter import Budget
+from ..limiter import Budget
 
 __all__ = ["MAX_HOLD", "read_budget"]
 

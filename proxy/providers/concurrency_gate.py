@@ -9,11 +9,11 @@ from typing import Any
 
 import aiohttp
 
-from .aio import cancel_and_wait
-from .backends.base import Backend
-from .config.model import ProviderSettings, Usage
-from .limiter import Clock, ProviderLimiter
-from .limiter.gate import UsageGate
+from ..aio import cancel_and_wait
+from ..backends.base import Backend
+from ..config.model import ProviderSettings, Usage
+from ..limiter import Clock, ProviderLimiter
+from ..limiter.gate import UsageGate
 
 __all__ = ["UsagePoller", "UsagePollers", "read_field"]
 

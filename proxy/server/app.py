@@ -9,16 +9,16 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
-from .admin import history
-from .admin import routes as admin_routes
-from .answers import ALLOWED_ORIGIN, Answer, json_answer
-from .config.model import RESERVED_PROVIDER_IDS
-from .connections import GuardedRunner, Handler
-from .errors import BadRequest, BodyTooLarge, Forbidden, ProxyError, UnknownProvider
-from .guard import check_path
-from .keys import STATE, error_response
-from .relay import proxy_handler, relay
-from .runtime import ProxyState
+from ..admin import history
+from ..admin import routes as admin_routes
+from ..config.model import RESERVED_PROVIDER_IDS
+from ..errors import BadRequest, BodyTooLarge, Forbidden, ProxyError, UnknownProvider
+from ..http.answers import ALLOWED_ORIGIN, Answer, json_answer
+from ..http.connections import GuardedRunner, Handler
+from ..http.guard import check_path
+from ..http.keys import STATE, error_response
+from ..http.relay import proxy_handler, relay
+from ..http.runtime import ProxyState
 
 __all__ = ["guarded", "start_server"]
 

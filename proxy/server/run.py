@@ -12,15 +12,15 @@ from typing import Any
 
 from aiohttp import web
 
-from .aio import cancel_and_wait
+from ..aio import cancel_and_wait
+from ..config import Config, ConfigError, load_config
+from ..config.diff import config_changes, describe_changes
+from ..errors import ShuttingDown
+from ..http.connections import install_accept_error_log, raise_open_files_limit
+from ..http.heap import HeapKeeper, settle_heap
+from ..http.runtime import ProxyState
+from ..limiter import LoopClock
 from .app import start_server
-from .config import Config, ConfigError, load_config
-from .config.diff import config_changes, describe_changes
-from .connections import install_accept_error_log, raise_open_files_limit
-from .errors import ShuttingDown
-from .heap import HeapKeeper, settle_heap
-from .limiter import LoopClock
-from .runtime import ProxyState
 
 __all__ = ["ConfigWatcher", "dashboard_url", "serve", "shutdown"]
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from proxy.backends.redis import RedisBackend, _Waiter
+from proxy.backends.redis.backend import RedisBackend, _Waiter
 from proxy.limiter import LimiterSettings, Priority
 
 from .conftest import REDIS_URL, delete_prefix, require_redis

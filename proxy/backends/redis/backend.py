@@ -4,7 +4,7 @@ Slots are leases with a TTL that the holder renews while its stream runs, so the
 slots of a replica that dies expire within ``lease_ttl``. Waiters live in one
 sorted set per provider, ordered (starred, prompt start, arrival) across every
 replica, with their own heartbeat. Each state change is one Lua script (see
-:mod:`proxy.backends.lua`); grants reach the waiting replica by pub/sub, and the
+:mod:`proxy.backends.redis.lua`); grants reach the waiting replica by pub/sub, and the
 renew loop doubles as the bounded fallback poll when a message is missed.
 
 When Redis cannot be reached, ``on_backend_error`` decides: ``fail_closed``
@@ -37,11 +37,12 @@ from redis.connection import HiredisRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from ..aio import result_if_any
-from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit, UnknownProvider
-from ..fleet_usage import FleetUsage
-from ..ledger import LedgerRow
-from ..limiter import (
+from ...aio import result_if_any
+from ...errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit, UnknownProvider
+from ...ledger.fleet import FleetUsage
+from ...ledger.report import UsageQuery
+from ...ledger.store import LedgerRow
+from ...limiter import (
     Budget,
     Clock,
     HolderStatus,
@@ -55,12 +56,11 @@ from ..limiter import (
     WaiterStatus,
     policy,
 )
-from ..limiter.deadlines import Deadlines
-from ..limiter.watchdog import SlotWatchdog
-from ..logs import ThrottledLog
-from ..usage_report import UsageQuery
+from ...limiter.deadlines import Deadlines
+from ...limiter.watchdog import SlotWatchdog
+from ...logs import ThrottledLog
+from ..memory import MemoryBackend
 from . import lua
-from .memory import MemoryBackend
 
 __all__ = ["RedisBackend", "RedisLease", "ScriptBatch"]
 

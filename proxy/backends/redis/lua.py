@@ -742,7 +742,7 @@ return pool[1]
 """
 
 USAGE_ADD = r"""
--- KEYS[1]: one provider's hour of usage aggregates (proxy.fleet_usage). ARGV: when it expires (epoch ms), then
+-- KEYS[1]: one provider's hour of usage aggregates (proxy.ledger.fleet). ARGV: when it expires (epoch ms), then
 -- field, amount pairs: a field named max:... keeps the larger value, every other one is added to.
 for i = 2, #ARGV, 2 do
   local field, amount = ARGV[i], tonumber(ARGV[i + 1])

@@ -2,7 +2,7 @@
 
 Everything runs in this event loop on 127.0.0.1 (no network, no keys):
 
-- a :class:`~proxy.fake_upstream.FakeUpstream` with a hard concurrency cap,
+- a :class:`~proxy.tools.fake_upstream.FakeUpstream` with a hard concurrency cap,
   answering 429 + Retry-After over it, like a real provider;
 - slotproxy (``ProxyState`` + ``start_server``) with provider ``openai``
   limited to that cap, in front of the fake;
@@ -39,10 +39,10 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from .app import start_server
-from .config import parse_config
-from .fake_upstream import FakeUpstream, start_fake_upstream
-from .runtime import ProxyState
+from ...config import parse_config
+from ...http.runtime import ProxyState
+from ...server.app import start_server
+from ..fake_upstream import FakeUpstream, start_fake_upstream
 
 __all__ = ["DemoOptions", "add_arguments", "main", "run_demo"]
 
@@ -664,7 +664,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _bind_failed(exc: OSError) -> Exception:
     """The demo listens on HOST, on free ports: a failure to bind is one line (``BindFailed``), not a traceback."""
-    from .bind import failure
+    from ...server.bind import failure
 
     return failure(exc, HOST, 0, port_flag=None, host_flag=None) or exc
 

@@ -196,7 +196,7 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, hdrs, web
 
-from .decoders import zstd_module
+from ...providers.decoders import zstd_module
 
 __all__ = ["FakeUpstream", "add_arguments", "run", "start_fake_upstream"]
 
@@ -1607,7 +1607,7 @@ async def _serve_until_signalled(fake: FakeUpstream, port: int) -> None:
     try:
         runner, bound = await start_fake_upstream(fake, port=port)
     except OSError as exc:  # a taken port is one line (slotproxy: cannot listen on ...), exit 2: no traceback
-        from .bind import failure
+        from ...server.bind import failure
 
         bind_failed = failure(exc, "127.0.0.1", port, host_flag=None)
         if bind_failed is None:

@@ -1,0 +1,5 @@
+"""The Redis backend: several replicas share each provider's limit, queue order, pause and auto-reduction."""
+
+from .backend import RedisBackend
+
+__all__ = ["RedisBackend"]

@@ -1,0 +1,1 @@
+"""Tools beside the proxy: the one-command demo and the fake upstream (a capped mock provider)."""

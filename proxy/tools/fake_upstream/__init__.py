@@ -1,0 +1,3 @@
+from .server import FakeUpstream, add_arguments, run, start_fake_upstream
+
+__all__ = ["FakeUpstream", "add_arguments", "run", "start_fake_upstream"]
