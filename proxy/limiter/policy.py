@@ -5,7 +5,7 @@ call Python, so they receive what these functions decide as arguments or as
 fields of the provider's settings hash (notice templates, the listing length,
 the Retry-After hint's inputs), and the few rules Lua must still apply inside one
 atomic script (admission, the same-burst test, one reduction step, one recovery
-step) are held to these functions by ``tests/limiter/test_policy_vs_lua.py``,
+step) are held to these functions by ``tests/backends/test_policy_vs_lua.py``,
 which runs the same event sequences through both and compares every status field.
 
 Time is always an argument (seconds, or integer milliseconds where Lua shares the

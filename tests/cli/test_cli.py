@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import free_port
+from ..conftest import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,

@@ -19,7 +19,7 @@ import pytest
 
 from proxy.cli import build_parser
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("aiohttp", "pydantic", "pydantic_core", "yaml", "redis", "uvloop", "multidict", "yarl", "prometheus_client")
 NOT_OPTIONS = (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)
 

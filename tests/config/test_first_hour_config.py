@@ -20,9 +20,9 @@ import pytest
 from proxy.config.model import env_name_for_display, looks_like_a_key
 from proxy.http.connections import ConnectionGuard, ConnectionSettings, connection_cap
 
-from .conftest import chat
+from ..conftest import chat
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

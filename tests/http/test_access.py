@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import chat, provider_yaml
+from ..conftest import chat, provider_yaml
 
 pytestmark = pytest.mark.asyncio
 

@@ -8,10 +8,10 @@ healthy: a normal request succeeds and ``GET /_slotproxy/status`` shows
 Rows that overlap older tests are repeated here on purpose so the catalogue is
 complete in one place; the older tests stay the reference for the behaviour:
 
-- priority-header fallbacks: ``tests/test_relay.py::test_invalid_priority_header_falls_back_and_the_request_succeeds``
-- unroutable paths and the open-proxy refusal: ``tests/test_relay.py::test_unroutable_paths_get_a_clear_error``,
-  ``tests/test_relay.py::test_never_an_open_proxy``
-- max_body: ``tests/test_relay.py::test_body_over_max_body_gets_413_and_takes_no_slot``
+- priority-header fallbacks: ``tests/http/test_relay.py::test_invalid_priority_header_falls_back_and_the_request_succeeds``
+- unroutable paths and the open-proxy refusal: ``tests/http/test_relay.py::test_unroutable_paths_get_a_clear_error``,
+  ``tests/http/test_relay.py::test_never_an_open_proxy``
+- max_body: ``tests/http/test_relay.py::test_body_over_max_body_gets_413_and_takes_no_slot``
 - admin bodies: ``tests/admin/test_api.py::test_bad_bodies_get_400_with_the_reason``
 - YAML: ``tests/config/test_loader.py`` (duplicates, billion laughs, wrong types)
 
@@ -39,7 +39,7 @@ from yarl import URL
 
 from proxy.config import ConfigError, parse_config
 
-from .conftest import Proxy, chat, wait_until
+from ..conftest import Proxy, chat, wait_until
 
 MAX_BODY = 1024
 

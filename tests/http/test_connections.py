@@ -33,7 +33,8 @@ from aiohttp import web
 
 from proxy.http.connections import connection_cap
 
-from .conftest import Proxy, chat, free_port, serve_app, wait_until
+from ..conftest import Proxy, chat, free_port, serve_app, wait_until
+from ..system.test_security import REPO, stop, wait_healthy
 from .test_bad_input import (
     Recorder,
     assert_error,
@@ -42,7 +43,6 @@ from .test_bad_input import (
     request_bytes,
     send_raw,
 )
-from .test_security import REPO, stop, wait_healthy
 
 CHUNK = b"data: " + b"x" * (64 * 1024 - 8) + b"\n\n"
 CHAT = json.dumps(chat()).encode()

@@ -2,7 +2,7 @@
 then which headers are passed on, each way.
 
 The header values below are copied from Codex CLI 0.171 and Claude Code 2.1.197 requests
-(ids shortened); ``tests/test_provider_signals.py`` drives the same through the relay.
+(ids shortened); ``tests/http/test_provider_signals.py`` drives the same through the relay.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A small upstream of the test's own sends exactly the bytes each case needs
 (compressed event streams, a Responses-API ``response.failed``, billing and
 spend refusals) and counts what it receives. The fake provider's own tests
-cover its side; the signal parsing itself is tabled in ``tests/test_signals.py``.
+cover its side; the signal parsing itself is tabled in ``tests/providers/test_signals.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 from aiohttp import web
 from backports import zstd
 
-from .conftest import Proxy, chat, serve_app, wait_until
+from ..conftest import Proxy, chat, serve_app, wait_until
 
 RATE_LIMIT_EVENT = (b'event: error\ndata: {"type": "error", "error": {"type": "rate_limit_error", '
                     b'"message": "Number of request tokens has exceeded your per-minute rate limit"}}\n\n')

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from proxy.admin.status import status_document
 
-from .conftest import chat, provider_yaml, serve_app, wait_until
+from ..conftest import chat, provider_yaml, serve_app, wait_until
 
 pytestmark = pytest.mark.asyncio
 

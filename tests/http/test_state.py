@@ -21,8 +21,8 @@ from proxy.http.runtime import ProxyState
 from proxy.http.state import STATE_VERSION
 from proxy.limiter import auto_reduce_notice
 
-from .conftest import free_port
-from .test_cli import wait_http
+from ..cli.test_cli import wait_http
+from ..conftest import free_port
 
 
 def config_text(state_path: Path, limit: int = 4, starred: str = "[]") -> str:

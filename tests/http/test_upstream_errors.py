@@ -26,9 +26,9 @@ from aiohttp.client_reqrep import ConnectionKey
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
 from proxy.http import upstream_errors
 
-from .conftest import chat, free_port, serve_app, wait_until
+from ..conftest import chat, free_port, serve_app, wait_until
+from ..system.test_security import _self_signed
 from .test_bad_input import assert_error
-from .test_security import _self_signed
 from .test_websocket import upgrade
 
 CLASS_NAMES = ("ClientConnectorError", "ClientPayloadError", "ServerDisconnectedError", "ClientOSError",

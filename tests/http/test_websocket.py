@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import WSMsgType, web
 
-from .backends.conftest import REDIS_URL, delete_prefix, require_redis
-from .conftest import Proxy, Upstream, chat, free_port, serve_app, wait_until
+from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
+from ..conftest import Proxy, Upstream, chat, free_port, serve_app, wait_until
 
 pytestmark = pytest.mark.asyncio
 

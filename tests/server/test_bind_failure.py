@@ -21,9 +21,9 @@ import pytest
 from proxy.config import parse_config
 from proxy.server.bind import BindFailed, describe, unprivileged_port_start
 
-from .conftest import free_port
+from ..conftest import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NOT_HERE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no machine has it
 PYTHON = os.path.basename(sys.executable)
 

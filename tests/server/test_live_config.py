@@ -21,8 +21,8 @@ from proxy.http.runtime import ProxyState
 from proxy.server.app import start_server
 from proxy.server.run import ConfigWatcher
 
-from .conftest import chat, free_port, wait_until
-from .test_cli import wait_http
+from ..cli.test_cli import wait_http
+from ..conftest import chat, free_port, wait_until
 
 
 def write_config(path: Path, upstream_url: str, limit: int | str, extra: str = "") -> None:

@@ -20,8 +20,8 @@ from proxy.config import parse_config
 from proxy.http.runtime import ProxyState
 from proxy.server.app import start_server
 
-from .backends.conftest import REDIS_URL, require_redis
-from .conftest import chat, free_port, wait_healthy
+from ..backends.conftest import REDIS_URL, require_redis
+from ..conftest import chat, free_port, wait_healthy
 
 pytestmark = pytest.mark.asyncio
 

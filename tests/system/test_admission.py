@@ -9,7 +9,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from .conftest import Upstream, chat, free_port, provider_yaml, serve_app, wait_until
+from ..conftest import Upstream, chat, free_port, provider_yaml, serve_app, wait_until
 
 pytestmark = pytest.mark.asyncio
 

@@ -9,7 +9,7 @@ import pytest
 
 from proxy.limiter import auto_reduce_notice
 
-from .conftest import chat, provider_yaml, wait_until
+from ..conftest import chat, provider_yaml, wait_until
 
 pytestmark = pytest.mark.asyncio
 

@@ -32,8 +32,8 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from .admin.test_dashboard import ARTIFACTS, TOKEN, auto_reduce, chromium_page
-from .conftest import Proxy, provider_yaml, serve_app, wait_until
+from ..admin.test_dashboard import ARTIFACTS, TOKEN, auto_reduce, chromium_page
+from ..conftest import Proxy, provider_yaml, serve_app, wait_until
 
 try:
     from playwright.async_api import Page, Response, expect

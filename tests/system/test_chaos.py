@@ -5,7 +5,7 @@ Seeded (``CHAOS_SEED``, default below) and bounded (``CHAOS_SECONDS``, default 4
 add ``-p no:logging``, since pytest's log capture keeps every warning the proxy logs
 in memory (~2 KiB each) and that would count in the VmRSS check::
 
-    CHAOS_SEED=7 CHAOS_SECONDS=300 python -m pytest tests/test_chaos.py::test_chaos -s -q -p no:logging
+    CHAOS_SEED=7 CHAOS_SECONDS=300 python -m pytest tests/system/test_chaos.py::test_chaos -s -q -p no:logging
 
 Two fake upstreams and the proxy run in this process and this event loop:
 ``openai`` (limit 3/5 by reloads, 2-5 by the admin API, auto-reduced by 429s,
@@ -83,7 +83,7 @@ import pytest
 from proxy.config import parse_config
 from proxy.server.run import ConfigWatcher
 
-from .conftest import Proxy, Upstream, serve_app, wait_until
+from ..conftest import Proxy, Upstream, serve_app, wait_until
 
 SEED = int(os.environ.get("CHAOS_SEED", "20261129"))
 SECONDS = float(os.environ.get("CHAOS_SECONDS", "40"))

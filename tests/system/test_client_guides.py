@@ -9,7 +9,7 @@ urllib), and the ``export`` lines of the tool guides, whose URLs and header
 values are then used the way the tools use them. Both Codex ``config.toml``
 forms are parsed and the request Codex makes with each is sent, headers and
 all. LiteLLM and aider run when they are installed; otherwise the request they
-make is made directly. (tests/test_clients_command.py holds each guide to the
+make is made directly. (tests/cli/test_clients_command.py holds each guide to the
 output of ``slotproxy clients``.)
 """
 
@@ -33,9 +33,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from .conftest import Proxy, Upstream, wait_until
+from ..conftest import Proxy, Upstream, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 DOC_URL = "http://127.0.0.1:8787"
 PRIORITY_HEADERS = {"x-workspace-id", "x-workspace-starred", "x-prompt-started-at", "x-conversation-id"}

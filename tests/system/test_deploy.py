@@ -32,9 +32,9 @@ import yaml
 from proxy.config import Config, parse_config
 from proxy.http.guard import BrowserGuard
 
-from .conftest import Proxy, free_port, provider_yaml
+from ..conftest import Proxy, free_port, provider_yaml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 PORT = 8787
 CONFIG_DIR = "/etc/slotproxy"
@@ -202,7 +202,7 @@ def test_dockerfile_copies_only_files_that_exist_and_dockerignore_keeps(dockerfi
             if (REPO / source).is_dir():
                 files = [p for p in (REPO / source).rglob("*.py") if "__pycache__" not in p.parts]
                 assert files and not any(ignored(str(p.relative_to(REPO))) for p in files)
-    for heavy in (".git", ".venv", "tests", "bench", ".pytest_cache", "proxy/__pycache__/app.cpython-311.pyc"):
+    for heavy in (".git", ".venv", "tests", "bench", ".pytest_cache", "proxy/server/__pycache__/app.cpython-311.pyc"):
         assert ignored(heavy), f".dockerignore should exclude {heavy}"
 
 

@@ -2,10 +2,10 @@
 
 The Quick start's first command (``python3 -m venv … && pip install -e . && slotproxy serve --config
 config.example.yaml``) in a new venv, with its dependencies taken from this environment (no download:
-``--no-deps --no-index``, the way tests/test_wheel.py builds its venv); then ``slotproxy fake-upstream``
+``--no-deps --no-index``, the way tests/system/test_wheel.py builds its venv); then ``slotproxy fake-upstream``
 as the README's Commands list says, a copy of ``config.example.yaml`` whose upstreams are changed
 exactly as the README's fake-upstream snippet shows, and ``slotproxy serve`` on it. Then the README's
-client snippets, parsed by tests/test_client_guides.py's helpers: curl (run by bash as written, its URL
+client snippets, parsed by tests/system/test_client_guides.py's helpers: curl (run by bash as written, its URL
 swapped for this proxy's), the OpenAI SDK and the Anthropic SDK (run by the fresh venv's Python). Every
 answer is a 200 (the proxy's own request counter says so) and whole. Only 127.0.0.1 is contacted.
 """
@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .conftest import free_port
+from ..conftest import free_port
 from .test_client_guides import DOC_URL, _curl_request, python_block, sh_block
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 FAKE_DEFAULT = "http://127.0.0.1:9100"
 ANSWER = "tok0 tok1 tok2 tok3 tok4 "  # the fake's whole answer at its default 5 chunks

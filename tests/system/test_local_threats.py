@@ -4,7 +4,7 @@ Each refusal goes over a raw socket with exactly the headers a web page (or a
 DNS-rebinding page, or a path-confusion probe) would send. Each asserts the
 status and the error code, that the recording upstream saw nothing, and that
 the provider key the proxy would inject never left it. The browser itself is
-in ``tests/test_browser_attacks.py``; slow clients in ``tests/test_connections.py``.
+in ``tests/system/test_browser_attacks.py``; slow clients in ``tests/http/test_connections.py``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from proxy.http.headers import PriorityHeaders, parse_priority
 from proxy.http.state import MAX_RUNTIME_STARS
 from proxy.limiter import FakeClock
 
-from .conftest import Proxy, chat, wait_until
-from .test_bad_input import Recorder, assert_error, recorder, send_raw
+from ..conftest import Proxy, chat, wait_until
+from ..http.test_bad_input import Recorder, assert_error, recorder, send_raw
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 KEY_ENV = "SPT_THREAT_PROVIDER_KEY"
 TOKEN_ENV = "SPT_THREAT_ADMIN_TOKEN"
 
@@ -236,7 +236,7 @@ async def test_trace_and_connect_get_405(target: Target, method: str) -> None:
 async def test_upstream_cors_headers_never_reach_a_client_without_an_allowed_origin(start_proxy, client) -> None:
     from aiohttp import web
 
-    from .conftest import serve_app
+    from ..conftest import serve_app
 
     async def permissive(request: web.Request) -> web.Response:
         return web.json_response({"ok": True}, headers={"Access-Control-Allow-Origin": "*",

@@ -26,8 +26,8 @@ from proxy.limiter import FakeClock
 from proxy.logs import BackoffLog
 from proxy.server.run import ConfigWatcher
 
-from .backends.conftest import REDIS_URL, delete_prefix, require_redis
-from .conftest import Proxy, chat, wait_until
+from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
+from ..conftest import Proxy, chat, wait_until
 
 T0 = 1_700_000_000.0
 

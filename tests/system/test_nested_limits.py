@@ -16,8 +16,8 @@ from aiohttp import web
 
 from proxy.config import parse_config
 
-from .backends.conftest import REDIS_URL, delete_prefix, require_redis
-from .conftest import Proxy, chat, serve_app, wait_until
+from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
+from ..conftest import Proxy, chat, serve_app, wait_until
 
 pytestmark = pytest.mark.asyncio
 

@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from .conftest import Proxy, Upstream, chat, free_port, provider_yaml, wait_until
+from ..conftest import Proxy, Upstream, chat, free_port, provider_yaml, wait_until
 
 pytestmark = pytest.mark.asyncio
 

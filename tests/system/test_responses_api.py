@@ -15,7 +15,7 @@ from openai.types.responses import ResponseStreamEvent
 
 from proxy.tools.fake_upstream import FakeUpstream
 
-from .conftest import Proxy, Upstream, provider_yaml, wait_until
+from ..conftest import Proxy, Upstream, provider_yaml, wait_until
 
 pytestmark = pytest.mark.asyncio
 

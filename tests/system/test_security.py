@@ -1,10 +1,10 @@
 """Security (issue 7, part 4): secrets never written, admin auth, the bind rule, no leaking
 response headers, TLS verified by default, and optional client keys.
 
-Related older tests, kept as they are: ``tests/test_server.py::test_json_logs_mask_secrets`` (one 429 path),
-``tests/test_relay.py::test_priority_headers_stripped_and_provider_key_replaces_client_auth``,
+Related older tests, kept as they are: ``tests/server/test_server.py::test_json_logs_mask_secrets`` (one 429 path),
+``tests/http/test_relay.py::test_priority_headers_stripped_and_provider_key_replaces_client_auth``,
 ``tests/admin/test_api.py::test_writes_need_the_token_when_it_is_set``,
-``tests/test_cli.py::test_serve_refuses_a_non_loopback_bind_without_an_admin_token``.
+``tests/cli/test_cli.py::test_serve_refuses_a_non_loopback_bind_without_an_admin_token``.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from aiohttp import web
 
 from proxy.logs import setup_logging
 
-from .conftest import chat, free_port, wait_until
-from .test_bad_input import (
+from ..conftest import chat, free_port, wait_until
+from ..http.test_bad_input import (
     Recorder,
     assert_error,
     recorder,
@@ -41,7 +41,7 @@ from .test_bad_input import (
     send_raw,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --- helpers: a proxy in a child process, exactly as `slotproxy serve` runs ----------
@@ -650,7 +650,7 @@ async def test_tls_verify_false_warns(start_proxy, client, tls_upstream, caplog)
 
 # --- 6. optional client keys (access.keys_env) ----------------------------------------
 #
-# Implemented in proxy/access.py while these tests were written (see also tests/test_access.py):
+# Implemented in proxy/http/access.py while these tests were written (see also tests/http/test_access.py):
 # `X-Slotproxy-Key: <key>` always works and is stripped before forwarding; `Authorization:
 # Bearer <key>` and `x-api-key: <key>` also work and are consumed (for a provider without
 # api_key_env the client's Authorization is its provider key, so the client key must ride in

@@ -21,10 +21,10 @@ import pytest
 
 from proxy.ledger.store import COLUMNS
 
-from .backends.conftest import REDIS_URL, delete_prefix, require_redis
-from .conftest import Proxy, Upstream, chat, free_port, wait_healthy, wait_until
+from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
+from ..conftest import Proxy, Upstream, chat, free_port, wait_healthy, wait_until
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOKENS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
 
 

@@ -16,9 +16,9 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from .conftest import free_port
+from ..conftest import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _build_wheel(out: Path) -> Path:

@@ -13,7 +13,7 @@ import pytest
 from proxy.cli import build_parser
 from proxy.tools.demo import fleet as demo
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 FLEET = ["--agents", "10", "--cap", "3", "--duration", "3"]
 
 

@@ -45,7 +45,7 @@ RESPONSES_EVENTS = [
     *["response.output_text.delta"] * 3,
     "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed",
 ]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 OPENAI_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(\d+(?:\.\d{1,3})?)s")
 OPENAI_WINDOW = ["x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
                  "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"]

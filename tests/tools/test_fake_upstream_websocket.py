@@ -35,7 +35,7 @@ TPM_MESSAGE = (
     "Rate limit reached for gpt-4o in organization org-x on tokens per min (TPM): "
     "Limit 30000, Used 30000, Requested 1200. Please try again in 6.379s."
 )
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
