@@ -1,4 +1,4 @@
-"""proxy.idle: the one-timer idle deadlines the relay puts on every upstream exchange (real loop, short timings)."""
+"""proxy.http.idle: the one-timer idle deadlines the relay puts on every upstream exchange (real loop, short timings)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ before answering), the fake resetting a stream mid-way (the log counts the chunk
 self-signed certificate, a plain-HTTP server behind an ``https://`` upstream, an upstream that never answers
 and one that stalls mid-stream (idle_timeout), and a WebSocket upgrade to a refused port. What loopback
 cannot show (a name that does not resolve, a connect timeout, several addresses failing) is held to its
-words by unit tests of the translator, ``proxy.upstream_errors``.
+words by unit tests of the translator, ``proxy.http.upstream_errors``.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def test_serve_on_a_host_name_that_does_not_resolve(config: Path) -> None:
 
 def test_demo_on_an_address_this_machine_does_not_have() -> None:
     """The demo listens on 127.0.0.1, free ports: the address is what can fail (here made one no interface has)."""
-    script = ("import sys, proxy.demo as demo; demo.HOST = sys.argv[1]; from proxy.cli import main; "
+    script = ("import sys, proxy.tools.demo as demo; demo.HOST = sys.argv[1]; from proxy.cli import main; "
               "sys.exit(main(['demo', '--duration', '0.1', '--agents', '1']))")
     result = subprocess.run([sys.executable, "-c", script, NOT_HERE], cwd=REPO, capture_output=True, text=True,
                             timeout=60, check=False)

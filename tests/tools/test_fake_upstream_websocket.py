@@ -548,7 +548,7 @@ def test_add_arguments_websocket_flags() -> None:
 
 
 async def test_run_serves_the_websocket_flags() -> None:
-    code = "from proxy.fake_upstream import run; run(0, 1, websocket=False, ws_refuse_429=True)"
+    code = "from proxy.tools.fake_upstream import run; run(0, 1, websocket=False, ws_refuse_429=True)"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", code, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
