@@ -25,8 +25,13 @@ import openai
 import pytest
 from backports import zstd
 
-from proxy.tools.fake_upstream import FakeUpstream, add_arguments, start_fake_upstream
-from proxy.tools.fake_upstream import server as fake_upstream
+from proxy.tools.fake_upstream import (
+    FakeUpstream,
+    add_arguments,
+    admission,
+    dialects,
+    start_fake_upstream,
+)
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -399,7 +404,7 @@ async def test_tags_and_headers_are_recorded(up: Upstream) -> None:
 
 
 async def test_arrivals_keep_the_most_recent(up: Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fake_upstream, "ARRIVALS_KEPT", 2)
+    monkeypatch.setattr(admission, "ARRIVALS_KEPT", 2)
     for tag in "abc":
         async with up.post(CHAT, CHAT_BODY, x_fake_tag=tag) as resp:
             await resp.read()
@@ -1052,7 +1057,7 @@ async def test_ratelimit_headers_knob_adds_headers_verbatim(up: Upstream) -> Non
     (61.25, "1m1.25s"), (3723, "1h2m3s"), (3600, "1h0m0s"),
 ])
 def test_openai_duration_format(seconds: float, duration: str) -> None:
-    assert fake_upstream._openai_duration(seconds) == duration
+    assert dialects.openai_duration(seconds) == duration
     assert openai_seconds(duration) == pytest.approx(seconds, abs=0.001)
 
 
@@ -1106,7 +1111,7 @@ def test_add_arguments_rejects_a_zero_cap(capsys: pytest.CaptureFixture[str]) ->
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 async def test_run_prints_its_address_and_stops_on_a_signal(sig: signal.Signals) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", "from proxy.fake_upstream import run; run(0, 2, 3, 5, 0)",
+        sys.executable, "-c", "from proxy.tools.fake_upstream import run; run(0, 2, 3, 5, 0)",
         cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     try:
@@ -1126,7 +1131,7 @@ async def test_run_prints_its_address_and_stops_on_a_signal(sig: signal.Signals)
 
 
 async def test_run_serves_the_limits_it_is_given() -> None:
-    code = ("from proxy.fake_upstream import run; "
+    code = ("from proxy.tools.fake_upstream import run; "
             "run(0, key_limit=2, window_requests=3, window_seconds=1.5, unified=True)")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", code, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
