@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import build_parser
-from proxy.tools.demo import fleet as demo
+from proxy.tools.demo import DemoOptions
+from proxy.tools.demo.view import LiveView, Snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = ["--agents", "10", "--cap", "3", "--duration", "3"]
@@ -88,16 +89,16 @@ def test_a_pipe_gets_progress_lines_not_terminal_redraws(runs: dict[str, subproc
 
 
 def test_the_terminal_view_shows_each_provider_and_the_queue_mix() -> None:
-    options = demo.DemoOptions(duration=10, agents=4, cap=2)
+    options = DemoOptions(duration=10, agents=4, cap=2)
     out = io.StringIO()
-    view = demo.LiveView(out, options, tty=True)
+    view = LiveView(out, options, tty=True)
     provider = {
         "provider": "openai", "limit": 2, "configured_limit": 2, "in_flight": 2, "queued": 3, "paused": True,
         "notice": "Concurrency limit auto-reduced to 2 after a 429 — restore manually when ready.",
         "backoffs": 1, "queue_mix": (1, 0, 2),
     }
     upstream = {"cap": 2, "active": 2, "max_concurrency": 2, "rate_limited": 1}
-    snap = demo.Snapshot(elapsed=5.0, draining=False, done=False, providers=[provider], upstream=upstream,
+    snap = Snapshot(elapsed=5.0, draining=False, done=False, providers=[provider], upstream=upstream,
                          completed=7, agent_429s=0, errors=0, in_flight=5)
     frame = "\n".join(view.frame(snap))
     plain = re.sub(r"\x1b\[[0-9;]*m", "", frame)
@@ -122,4 +123,4 @@ def test_bad_flags_are_refused_with_the_rule(flag: str, value: str, capsys: pyte
 
 def test_options_validate_on_construction() -> None:
     with pytest.raises(ValueError, match="agents must be 1-500"):
-        demo.DemoOptions(agents=0)
+        DemoOptions(agents=0)

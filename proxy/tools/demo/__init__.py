@@ -1,3 +1,197 @@
-from .fleet import DemoOptions, add_arguments, main, run_demo
+"""``slotproxy demo``: a capped fake provider, the proxy and a fleet of agents, in one process.
+
+Everything runs in this event loop on 127.0.0.1 (no network, no keys):
+
+- a :class:`~proxy.tools.fake_upstream.FakeUpstream` with a hard concurrency cap,
+  answering 429 + Retry-After over it, like a real provider;
+- slotproxy (``ProxyState`` + ``start_server``) with provider ``openai``
+  limited to that cap, in front of the fake;
+- a fleet of simulated agents, each a loop of streamed chat completions read
+  to ``[DONE]`` with a short "tool run" between them. Agents differ in
+  workspace (``X-Workspace-Id``), star (``X-Workspace-Starred: 1``) and prompt
+  age (``X-Prompt-Started-At``): some resume prompts that began many minutes
+  ago, the rest start fresh prompts as they go. One agent in three works as
+  Codex does: one WebSocket for its whole session (``/responses``), a
+  ``response.create`` frame per turn carrying the turn's start in its
+  ``client_metadata``, read to the response's last event.
+
+While it runs, a live view (redrawn 4x a second on a terminal, a line every few
+seconds otherwise) shows the provider's limit, in-flight, queue and 429s. At the
+end a summary reports the requests, the 429s the agents saw, the upstream's
+highest concurrency against its cap, and queue waits (``X-Slotproxy-Queue-Ms``)
+by priority class. ``--no-proxy`` points the same fleet straight at the fake:
+agents then get 429s and back off as the SDKs do (honouring ``retry-after-ms``).
+
+The agents are in ``fleet``, the live view and the summary in ``view``; this module runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import aiohttp
+
+from ...config import parse_config
+from ...http.runtime import ProxyState
+from ...server.app import start_server
+from ..fake_upstream import FakeUpstream, start_fake_upstream
+from .fleet import PROVIDER, REQUEST_TIMEOUT, DemoOptions, Fleet
+from .view import LiveView, Snapshot, queue_mix, summary
 
 __all__ = ["DemoOptions", "add_arguments", "main", "run_demo"]
+
+HOST = "127.0.0.1"
+DRAIN_TIMEOUT = 10.0  # after the deadline, how long requests already sent may take to finish
+
+
+def proxy_yaml(upstream_port: int, cap: int) -> str:
+    return (
+        "state: {path: null}\n"
+        "ledger: {path: null}\n"
+        "providers:\n"
+        f"  {PROVIDER}:\n"
+        f"    upstream: http://{HOST}:{upstream_port}/v1\n"
+        f"    limit: {cap}\n"
+    )
+
+
+class _Demo:
+    def __init__(self, options: DemoOptions, out: TextIO, tty: bool) -> None:
+        self.options = options
+        self.view = LiveView(out, options, tty)
+        self.fake = FakeUpstream(cap=options.cap, chunks=options.chunks, delay_ms=options.delay_ms)
+        self.state: ProxyState | None = None
+        self.fleet: Fleet | None = None
+        self.t0 = 0.0
+        self.draining = False
+
+    def snapshot(self, *, done: bool = False) -> Snapshot:
+        now_ms = int(time.time() * 1000)
+        providers = []
+        if self.state is not None:
+            for status in self.state.backend.statistics():
+                entry = status.to_dict()
+                entry["backoffs"] = status.counters.get("backoffs", 0)
+                entry["queue_mix"] = queue_mix(entry["queue"], now_ms)
+                providers.append(entry)
+        assert self.fleet is not None
+        tally = self.fleet.tally
+        return Snapshot(
+            elapsed=asyncio.get_running_loop().time() - self.t0,
+            draining=self.draining,
+            done=done,
+            providers=providers,
+            upstream=self.fake.stats(),
+            completed=len(tally.outcomes),
+            agent_429s=tally.agent_429s,
+            errors=tally.errors,
+            in_flight=tally.in_flight,
+        )
+
+    async def _render(self) -> None:
+        while True:
+            self.view.update(self.snapshot())
+            await asyncio.sleep(self.view.interval())
+
+    async def run(self) -> str:
+        loop = asyncio.get_running_loop()
+        try:
+            fake_runner, fake_port = await start_fake_upstream(self.fake, HOST, 0)
+        except OSError as exc:
+            raise _bind_failed(exc) from None
+        proxy_runner = None
+        try:
+            if self.options.use_proxy:
+                self.state = ProxyState(parse_config(proxy_yaml(fake_port, self.options.cap)))
+                try:
+                    proxy_runner, proxy_port = await start_server(self.state, HOST, 0)
+                except OSError as exc:
+                    raise _bind_failed(exc) from None
+                base_url = f"http://{HOST}:{proxy_port}/{PROVIDER}"
+            else:
+                base_url = f"http://{HOST}:{fake_port}/v1"
+            self.t0 = loop.time()
+            self.fleet = Fleet(self.options, base_url, time.time())
+            return await self._drive(self.fleet)
+        finally:
+            self.view.close()
+            if proxy_runner is not None:
+                await proxy_runner.cleanup()
+            await fake_runner.cleanup()
+
+    async def _drive(self, fleet: Fleet) -> str:
+        connector = aiohttp.TCPConnector(limit=0)
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
+            tasks = [asyncio.create_task(fleet.run_agent(session, agent)) for agent in fleet.agents]
+            renderer = asyncio.create_task(self._render())
+            try:
+                await asyncio.sleep(self.options.duration)
+                # Over: no new requests; the ones already sent (queued or streaming) finish.
+                self.draining = True
+                fleet.stop.set()
+                _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT)
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                renderer.cancel()
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(renderer, *tasks, return_exceptions=True)
+            snap = self.snapshot(done=True)
+            self.view.update(snap, final=True)
+        return summary(self.options, snap, fleet.tally, asyncio.get_running_loop().time() - self.t0)
+
+
+async def run_demo(options: DemoOptions, out: TextIO | None = None, tty: bool | None = None) -> str:
+    """Run the demo; the live view goes to ``out`` (stdout); returns the summary text."""
+    stream = sys.stdout if out is None else out
+    is_tty = stream.isatty() if tty is None else tty
+    return await _Demo(options, stream, is_tty).run()
+
+
+def _number(kind: type[int | float], low: float, high: float, what: str) -> Callable[[str], Any]:
+    def convert(raw: str) -> int | float:
+        try:
+            value = kind(raw)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {raw!r}")
+        return value
+
+    return convert
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``demo`` flags (dests: duration, agents, cap, no_proxy)."""
+    defaults = DemoOptions()
+    add = parser.add_argument
+    add("--duration", type=_number(float, 0.1, 600, "seconds, 0.1-600"), default=defaults.duration,
+        help=f"seconds the fleet sends requests (default {defaults.duration:g})")
+    add("--agents", type=_number(int, 1, 500, "an integer 1-500"), default=defaults.agents,
+        help=f"simulated agents (default {defaults.agents})")
+    add("--cap", type=_number(int, 1, 1000, "an integer 1-1000"), default=defaults.cap,
+        help=f"the fake upstream's concurrency cap, and the proxy's limit (default {defaults.cap})")
+    add("--no-proxy", action="store_true",
+        help="send the same fleet straight to the fake upstream, to compare (default: through the proxy)")
+
+
+def _bind_failed(exc: OSError) -> Exception:
+    """The demo listens on HOST, on free ports: a failure to bind is one line (``BindFailed``), not a traceback."""
+    from ...server.bind import failure
+
+    return failure(exc, HOST, 0, port_flag=None, host_flag=None) or exc
+
+
+def main(args: argparse.Namespace) -> int:
+    options = DemoOptions(duration=args.duration, agents=args.agents, cap=args.cap, use_proxy=not args.no_proxy)
+    text = asyncio.run(run_demo(options))
+    print(text, flush=True)
+    return 0
