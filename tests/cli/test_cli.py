@@ -168,7 +168,7 @@ def test_help_lists_the_spec_flags(command: list[str]) -> None:
 
 
 def test_status_table_lists_pool_keys_and_model_caps() -> None:
-    from proxy.cli import format_status
+    from proxy.cli.status import format_status
 
     status = {"providers": [{
         "provider": "anthropic", "limit": 8, "configured_limit": 8, "in_flight": 3, "queued": 1,

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from proxy.cli import format_status
+from proxy.cli.status import format_status
 
 from ..conftest import free_port
 
