@@ -16,7 +16,8 @@ from redis.asyncio.connection import (
 )
 from redis.exceptions import DataError
 
-from proxy.backends.redis.backend import RedisBackend, packing_in_c
+from proxy.backends.redis import RedisBackend
+from proxy.backends.redis.client import packing_in_c
 
 SCRIPT_ARGS = [
     ("EVALSHA", "3f" * 20, 3, "slotproxy:p:queue", "slotproxy:p:leases", "slotproxy:p:state"),

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import redis
 
-from proxy.backends.redis.backend import RedisBackend, _Waiter
+from proxy.backends.redis import RedisBackend
+from proxy.backends.redis.leases import _Waiter
 from proxy.limiter import LimiterSettings, Priority
 
 from .conftest import REDIS_URL, delete_prefix, require_redis

@@ -13,7 +13,8 @@ import random
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.backends.redis.backend import _POOL_SIZE, RedisBackend
+from proxy.backends.redis import RedisBackend
+from proxy.backends.redis.client import _POOL_SIZE
 from proxy.limiter import LimiterSettings, Priority
 
 from .conftest import REDIS_URL, require_redis

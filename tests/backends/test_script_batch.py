@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from proxy.backends.redis.backend import ScriptBatch, _reconnect_once, packing_in_c
+from proxy.backends.redis.client import ScriptBatch, _reconnect_once, packing_in_c
 
 from .conftest import REDIS_URL, require_redis
 
