@@ -1,4 +1,5 @@
-"""The Redis backend's Lua scripts: every state change that must be atomic is one script.
+"""The Redis backend's Lua scripts: every state change that must be atomic is one script, each starting
+with the shared functions of ``lua_prelude``.
 
 Keys of one provider (``{prefix}:{provider}:...``), always passed in this order:
 
@@ -52,371 +53,12 @@ before ``created_at`` was lost with the data, not expired).
 
 from __future__ import annotations
 
+from .lua_prelude import PRELUDE
+
 __all__ = ["BACKOFF", "BUDGET", "CANCEL", "CONFIGURE", "DISPATCH", "ENQUEUE", "PICK_KEY", "RELEASE", "RENEW", "RESTAR",
            "SET_COOLDOWN", "SET_LIMIT", "STATS", "USAGE_ADD"]
 
-_PRELUDE = r"""
-local BASE = string.sub(KEYS[1], 1, #KEYS[1] - 3)
-local MAX_LIMIT = 100000
-
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
-local function hnum(hash, field, default)
-  local v = redis.call('HGET', hash, field)
-  if v == false or v == '' then return default end
-  return tonumber(v)
-end
-
-local function num(field, default) return hnum(KEYS[1], field, default) end
-
-local function hlimit(hash)
-  local v = redis.call('HGET', hash, 'limit')
-  if v == false or v == '' or v == 'none' then return nil end
-  return tonumber(v)
-end
-
-local function limit_of() return hlimit(KEYS[1]) end
-
-local function level_hash(lid) return BASE .. 'lv:' .. lid end
-
--- The provider's keys and model caps: {keys = {{n, l, a}...}, models = {{p, l}...}, share = x or nil}
-local layout_cache = nil
-local function layout()
-  if layout_cache == nil then
-    local raw = redis.call('HGET', KEYS[1], 'layout')
-    layout_cache = (raw and raw ~= '') and cjson.decode(raw) or {keys = {}, models = {}}
-    local pool, models = {}, {}
-    for _, key in ipairs(layout_cache.keys) do
-      if key.a == 1 then table.insert(pool, key.n) end
-    end
-    for _, cap in ipairs(layout_cache.models) do models[cap.p] = true end
-    layout_cache.pool = pool
-    layout_cache.capped = models
-    -- with a pool, a WebSocket's waiters are pinned to their socket's key: every waiter then has a class
-    layout_cache.classed = #layout_cache.models > 0 or layout_cache.share ~= nil or #pool > 0
-  end
-  return layout_cache
-end
-
-local function all_levels()
-  local ids = {}
-  for _, key in ipairs(layout().keys) do table.insert(ids, 'k:' .. key.n) end
-  for _, cap in ipairs(layout().models) do table.insert(ids, 'm:' .. cap.p) end
-  return ids
-end
-
-local function recover_hash(hash, now)
-  local from = hnum(hash, 'auto_reduced_from', nil)
-  local every = num('recovery_ms', 0)
-  local limit = hlimit(hash)
-  if from == nil or every <= 0 or limit == nil then return end
-  if now - hnum(hash, 'last_backoff_at', now) < every then return end
-  limit = math.min(from, limit + 1)
-  redis.call('HSET', hash, 'limit', limit, 'last_backoff_at', now)
-  if limit >= from then
-    redis.call('HDEL', hash, 'auto_reduced_from', 'notice')
-  else
-    local template = redis.call('HGET', KEYS[1], 'recovering_notice') or ''
-    local notice = string.gsub(string.gsub(template, '{N}', tostring(limit)), '{TARGET}', tostring(from))
-    redis.call('HSET', hash, 'notice', notice)
-  end
-end
-
-local function recover(now)
-  recover_hash(KEYS[1], now)
-  for _, lid in ipairs(all_levels()) do recover_hash(level_hash(lid), now) end
-end
-
--- A lease leaves every level it holds a slot at (a no-op for one already gone); 1 if it was held.
-local function drop_lease(id)
-  local removed = redis.call('ZREM', KEYS[2], id)
-  local raw = redis.call('HGET', BASE .. 'lmap', id)
-  if raw then
-    local held = cjson.decode(raw)
-    for _, lid in ipairs(held.l) do redis.call('ZREM', level_hash(lid) .. ':leases', id) end
-    if redis.call('HINCRBY', BASE .. 'wsheld', held.w, -1) <= 0 then redis.call('HDEL', BASE .. 'wsheld', held.w) end
-    redis.call('HDEL', BASE .. 'lmap', id)
-  end
-  return removed
-end
-
--- Take a waiter out: its queue entries, its info and its heartbeat (a no-op for one already gone).
-local function forget_waiter(id)
-  local info = redis.call('HGET', KEYS[5], id)
-  if info then
-    local decoded = cjson.decode(info)
-    redis.call('ZREM', KEYS[4], decoded.m)
-    if decoded.cl then redis.call('ZREM', BASE .. 'q:' .. decoded.cl, decoded.m) end
-  end
-  redis.call('HDEL', KEYS[5], id)
-  redis.call('ZREM', KEYS[6], id)
-end
-
-local function cleanup(now)
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do drop_lease(id) end
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)) do
-    forget_waiter(id)
-  end
-  recover(now)
-end
-
-local function configured()
-  return redis.call('HEXISTS', KEYS[1], 'configured_limit') == 1
-end
-
-local function in_flight()
-  return redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
-end
-
--- When a level's pause or budget hold ends (0: neither blocks it).
-local function blocked_until(hash, now)
-  local t = math.max(hnum(hash, 'paused_until', 0), hnum(hash, 'held_until', 0))
-  if t > now then return t end
-  return 0
-end
-
--- Whether a level may take one more slot, and its free slots (nil: no limit).
-local function level_room(lid, now)
-  local hash = level_hash(lid)
-  if blocked_until(hash, now) > 0 then return false, 0 end
-  local limit = hlimit(hash)
-  if limit == nil then return true, nil end
-  local free = limit - redis.call('ZCARD', hash .. ':leases')
-  return free > 0, free
-end
-
--- policy.pool_paused_until: the provider's pause, else the earliest end while every pool key is blocked.
-local function pause_end(now)
-  local own = num('paused_until', 0)
-  if own > now then return own end
-  local pool = layout().pool
-  if #pool == 0 then return 0 end
-  local earliest = 0
-  for _, name in ipairs(pool) do
-    local t = blocked_until(level_hash('k:' .. name), now)
-    if t == 0 then return 0 end
-    if earliest == 0 or t < earliest then earliest = t end
-  end
-  return earliest
-end
-
--- policy.choose_key: the preferred key if it may take one, else the most free slots, ties in config order.
-local function choose_key(candidates, preferred)
-  local best, best_free = nil, -1
-  for _, c in ipairs(candidates) do
-    if c[1] == preferred then return c[1] end
-    local room = c[2] or (MAX_LIMIT + 1)
-    if room > best_free then best, best_free = c[1], room end
-  end
-  return best
-end
-
--- policy.share_cap over the provider's capacity (its limit, else its pool keys' limits together).
-local function share_cap()
-  local share = layout().share
-  if share == nil then return nil end
-  local capacity = limit_of()
-  if capacity == nil then
-    local pool = layout().pool
-    if #pool == 0 then return nil end
-    capacity = 0
-    for _, name in ipairs(pool) do
-      local l = hlimit(level_hash('k:' .. name))
-      if l == nil then return nil end
-      capacity = capacity + l
-    end
-  end
-  return math.max(1, math.ceil(share * capacity - 1e-9))
-end
-
-local function waiter_class(pattern, workspace, pinned)
-  if not layout().classed then return nil end
-  return pattern .. '\n' .. (layout().share ~= nil and workspace or '') .. '\n' .. (pinned or '')
-end
-
--- A class name's parts: model cap pattern, workspace ('' unless shares apply), pinned key ('' = any).
-local function class_parts(class)
-  local first = string.find(class, '\n', 1, true)
-  local second = string.find(class, '\n', first + 1, true)
-  if second == nil then return string.sub(class, 1, first - 1), string.sub(class, first + 1), '' end
-  return string.sub(class, 1, first - 1), string.sub(class, first + 1, second - 1), string.sub(class, second + 1)
-end
-
-local function in_pool(name)
-  for _, key in ipairs(layout().pool) do
-    if key == name then return true end
-  end
-  return false
-end
-
--- Take the queue entry ``member`` out and return its waiter's id and info (nil info: an orphan entry).
-local function take_entry(member, class)
-  redis.call('ZREM', KEYS[4], member)
-  if class then
-    local q = BASE .. 'q:' .. class
-    redis.call('ZREM', q, member)
-    if redis.call('ZCARD', q) == 0 then redis.call('SREM', BASE .. 'classes', class) end
-  end
-  local id = string.sub(member, string.find(member, ':', 1, true) + 1)
-  local raw = redis.call('HGET', KEYS[5], id)
-  if not raw then return id, nil end
-  local info = cjson.decode(raw)
-  if info.m ~= member then return id, nil end
-  redis.call('HDEL', KEYS[5], id)
-  redis.call('ZREM', KEYS[6], id)
-  return id, info
-end
-
--- The next waiter to grant: the queue's head, or with classes the first class head whose model cap has
--- room, passing over a workspace at its share while another can go. Returns id, info, found.
-local function next_waiter(now)
-  if not layout().classed then
-    local head = redis.call('ZRANGE', KEYS[4], 0, 0)
-    if #head == 0 then return nil, nil, false end
-    local id, info = take_entry(head[1], nil)
-    return id, info, true
-  end
-  local heads = {}
-  for _, class in ipairs(redis.call('SMEMBERS', BASE .. 'classes')) do
-    local head = redis.call('ZRANGE', BASE .. 'q:' .. class, 0, 0)
-    if #head == 0 then
-      redis.call('SREM', BASE .. 'classes', class)
-    else
-      table.insert(heads, {head[1], class})
-    end
-  end
-  table.sort(heads, function(a, b) return a[1] < b[1] end)
-  local cap = share_cap()
-  local over_share = nil
-  for _, head in ipairs(heads) do
-    local pattern, workspace, pinned = class_parts(head[2])
-    local room = true
-    if pattern ~= '' and layout().capped[pattern] then room = level_room('m:' .. pattern, now) end
-    if room and pinned ~= '' then room = in_pool(pinned) and level_room('k:' .. pinned, now) end
-    if room then
-      local held = 0
-      if cap ~= nil then held = tonumber(redis.call('HGET', BASE .. 'wsheld', workspace) or '0') end
-      if cap ~= nil and held >= cap then
-        if over_share == nil then over_share = head end
-      else
-        local id, info = take_entry(head[1], head[2])
-        return id, info, true
-      end
-    end
-  end
-  if over_share ~= nil then
-    local id, info = take_entry(over_share[1], over_share[2])
-    return id, info, true
-  end
-  return nil, nil, false
-end
-
--- A grant counts against the requests the last answer said were left in the window (LimitLevel.take):
--- the last one left holds the key until the window resets.
-local function count_against_budget(hash, now)
-  local left = hnum(hash, 'left', nil)
-  if left == nil then return end
-  if left - 1 > 0 then
-    redis.call('HSET', hash, 'left', left - 1)
-    return
-  end
-  redis.call('HDEL', hash, 'left')
-  local reset = hnum(hash, 'left_reset', 0)
-  if reset > now and reset > hnum(hash, 'held_until', 0) then redis.call('HSET', hash, 'held_until', reset) end
-end
-
--- The waiter whose own ENQUEUE is running: a grant to it is in the script's answer, so no message is sent.
-local answering = nil
-
-local function grant(id, info, key, now, lease_ttl, channel)
-  local levels = {}
-  if key ~= '' then table.insert(levels, 'k:' .. key) end
-  if info.pt and info.pt ~= '' and layout().capped[info.pt] then table.insert(levels, 'm:' .. info.pt) end
-  count_against_budget(key ~= '' and level_hash('k:' .. key) or KEYS[1], now)
-  redis.call('ZADD', KEYS[2], now + lease_ttl, id)
-  for _, lid in ipairs(levels) do redis.call('ZADD', level_hash(lid) .. ':leases', now + lease_ttl, id) end
-  -- who holds it (for the status listing): workspace, levels, conversation, model, key, star, transport, since
-  redis.call('HSET', BASE .. 'lmap', id, cjson.encode({w = info.w, l = levels, c = info.c, md = info.md, k = key,
-    s = string.sub(info.m, 1, 1) == '0', tr = info.tr, t = now}))
-  redis.call('HINCRBY', BASE .. 'wsheld', info.w, 1)
-  redis.call('HSET', KEYS[7], id, id .. ' ' .. now .. ' ' .. key)
-  redis.call('HINCRBY', KEYS[1], 'granted', 1)
-  if id ~= answering then redis.call('PUBLISH', channel .. info.r, id .. ' ' .. id .. ' ' .. now .. ' ' .. key) end
-end
-
--- Grant waiters while every level they need has room; each grant becomes a lease and a message to its replica.
-local function dispatch(now, lease_ttl, channel)
-  if not configured() or num('settle_until', 0) > now then return 0 end
-  if blocked_until(KEYS[1], now) > 0 then return 0 end
-  local limit = limit_of()
-  local pool = layout().pool
-  local count = 0
-  while limit == nil or in_flight() < limit do
-    local candidates = {}
-    for _, name in ipairs(pool) do
-      local ok, free = level_room('k:' .. name, now)
-      if ok then table.insert(candidates, {name, free}) end
-    end
-    if #pool > 0 and #candidates == 0 then break end
-    local id, info, found = next_waiter(now)
-    if not found then break end
-    if info then
-      local key = ''
-      if #pool > 0 then
-        if info.kp and info.kp ~= '' then key = info.kp else key = choose_key(candidates, info.k) end
-      end
-      grant(id, info, key, now, lease_ttl, channel)
-      count = count + 1
-    end
-  end
-  return count
-end
-
--- When something time-based next changes the room: the end of a pause, a hold, a cooldown or a lease.
-local function next_event(now)
-  local best = 0
-  local function consider(t)
-    if t and t > now and (best == 0 or t < best) then best = t end
-  end
-  consider(num('paused_until', 0))
-  consider(num('held_until', 0))
-  consider(num('settle_until', 0))
-  for _, lid in ipairs(all_levels()) do
-    consider(hnum(level_hash(lid), 'paused_until', 0))
-    consider(hnum(level_hash(lid), 'held_until', 0))
-  end
-  local c = redis.call('ZRANGE', KEYS[3], 0, 0, 'WITHSCORES')
-  if #c > 0 then consider(tonumber(c[2])) end
-  local l = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
-  if #l > 0 then consider(tonumber(l[2])) end
-  return best
-end
-
-local function waiter_member(starred, prompt_ms, seq, id)
-  return string.format('%d%014d%012d:%s', starred and 0 or 1, prompt_ms, seq, id)
-end
-
--- Put a waiter's entry in the queue (and its class's), given its info.
-local function queue_entry(info)
-  redis.call('ZADD', KEYS[4], 0, info.m)
-  if info.cl then
-    redis.call('ZADD', BASE .. 'q:' .. info.cl, 0, info.m)
-    redis.call('SADD', BASE .. 'classes', info.cl)
-  end
-end
-
--- The level a script's level argument names: '' is the provider's own cfg hash.
-local function hash_of(lid)
-  if lid == nil or lid == '' then return KEYS[1] end
-  return level_hash(lid)
-end
-"""
-
-ENQUEUE = _PRELUDE + r"""
+ENQUEUE = PRELUDE + r"""
 -- ARGV: id, replica, workspace, header_starred, prompt_ms, conversation, seq ('' = new),
 --       lease_ttl, waiter_ttl, max_queue, channel, model cap pattern ('' = none), preferred key ('' = none),
 --       pinned key ('' = any key of the pool), transport ('' = http, 'ws' = websocket), model ('' = none named)
@@ -462,7 +104,7 @@ end
 return {0, tostring(next_event(now)), seq}
 """
 
-DISPATCH = _PRELUDE + r"""
+DISPATCH = PRELUDE + r"""
 -- ARGV: lease_ttl, channel
 local now = now_ms()
 cleanup(now)
@@ -470,7 +112,7 @@ dispatch(now, tonumber(ARGV[1]), ARGV[2])
 return tostring(next_event(now))
 """
 
-RELEASE = _PRELUDE + r"""
+RELEASE = PRELUDE + r"""
 -- ARGV: lease, waiter id, lease_ttl, channel
 local now = now_ms()
 local removed = drop_lease(ARGV[1])
@@ -484,7 +126,7 @@ dispatch(now, tonumber(ARGV[3]), ARGV[4])
 return {removed, tostring(next_event(now))}
 """
 
-CANCEL = _PRELUDE + r"""
+CANCEL = PRELUDE + r"""
 -- ARGV: waiter id, lease_ttl, channel, keep ('1': the waiter holds its lease under this id; leave it),
 --       timed_out ('1': its queue_timeout passed: counted). Returns "paused_until now" for the Retry-After hint.
 -- A waiter granted in the same instant hands its lease back.
@@ -503,7 +145,7 @@ dispatch(now, tonumber(ARGV[2]), ARGV[3])
 return pause_end(now) .. ' ' .. now
 """
 
-RENEW = _PRELUDE + r"""
+RENEW = PRELUDE + r"""
 -- ARGV: lease_ttl, waiter_ttl, channel, n_leases, lease ids..., their grant times (ms)..., waiter ids...
 -- Returns {missing leases, grants found for our waiters ("id lease at key"), waiters lost, next event,
 --          1 if the provider is configured here (0: Redis lost its data; run CONFIGURE)}.
@@ -548,7 +190,7 @@ dispatch(now, lease_ttl, ARGV[3])
 return {missing, grants, lost, tostring(next_event(now)), configured() and 1 or 0}
 """
 
-BACKOFF = _PRELUDE + r"""
+BACKOFF = PRELUDE + r"""
 -- ARGV: cause, wait_ms (policy.pause_length), sent_at (-1 = unknown), notice template with {N},
 --       reduces ('1': a status in reduce_statuses, lower the limit once per burst; '0': pause only),
 --       level ('' = the provider; 'k:<name>' = the key the answer came on)
@@ -577,7 +219,7 @@ end
 return {reduced, tostring(hlimit(hash) or 'none'), tostring(math.max(paused_until, now + wait))}
 """
 
-BUDGET = _PRELUDE + r"""
+BUDGET = PRELUDE + r"""
 -- ARGV: level ('' = the provider, 'k:<name>' = a key), hold_ms (0: no hold), the budget as JSON
 --       {remaining_requests, remaining_tokens, reset_in_ms, requests_reset_in_ms}.
 -- Not a backoff: no pause, reduction or notice.
@@ -599,7 +241,7 @@ end
 return tostring(next_event(now))
 """
 
-SET_LIMIT = _PRELUDE + r"""
+SET_LIMIT = PRELUDE + r"""
 -- ARGV: limit ('none' or n), lease_ttl, channel, level ('' = the provider)
 local now = now_ms()
 local hash = hash_of(ARGV[4])
@@ -610,13 +252,13 @@ dispatch(now, tonumber(ARGV[2]), ARGV[3])
 return 1
 """
 
-SET_COOLDOWN = _PRELUDE + r"""
+SET_COOLDOWN = PRELUDE + r"""
 -- ARGV: cooldown_ms
 redis.call('HSET', KEYS[1], 'cooldown_ms', ARGV[1])
 return 1
 """
 
-CONFIGURE = _PRELUDE + r"""
+CONFIGURE = PRELUDE + r"""
 -- ARGV: configured limit ('none' or n), configured cooldown_ms, recovering notice template ({N}, {TARGET}),
 --       recovery_ms, lease_ttl, channel,
 --       settle_ms (how long to hold grants back if this re-creates the provider after Redis lost its data),
@@ -661,7 +303,7 @@ dispatch(now, tonumber(ARGV[5]), ARGV[6])
 return 1
 """
 
-RESTAR = _PRELUDE + r"""
+RESTAR = PRELUDE + r"""
 -- ARGV: lease_ttl, channel. Re-key every waiter against the current starred set (KEYS[9]).
 local now = now_ms()
 local all = redis.call('HGETALL', KEYS[5])
@@ -682,7 +324,7 @@ dispatch(now, tonumber(ARGV[1]), ARGV[2])
 return 1
 """
 
-STATS = _PRELUDE + r"""
+STATS = PRELUDE + r"""
 -- ARGV: queue entries (and holders) to list. Returns {cfg pairs, leases, cooling, queued, now, queue infos...,
 --          levels: {level id, its hash pairs, its leases}..., pause end, holders: lmap entries, longest held first}
 local now = now_ms()
@@ -719,7 +361,7 @@ return {redis.call('HGETALL', KEYS[1]), redis.call('ZCARD', KEYS[2]), redis.call
         redis.call('ZCARD', KEYS[4]), tostring(now), infos, levels, tostring(pause_end(now)), holders}
 """
 
-PICK_KEY = _PRELUDE + r"""
+PICK_KEY = PRELUDE + r"""
 -- ARGV: preferred key ('' = none). The key a new WebSocket opens with (policy.socket_key): as a grant would
 -- choose it, else the preferred or first key neither paused nor held, else the pool's first ('' = no pool).
 local now = now_ms()
