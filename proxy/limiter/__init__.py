@@ -1,6 +1,14 @@
 """The pure limiter core: no aiohttp, no I/O; time and timers come from an injected Clock."""
 
 from .clock import Clock, FakeClock, LoopClock, Timer
+from .lease import (
+    AdmissionGate,
+    KeySettings,
+    Lease,
+    LimiterSettings,
+    ModelCap,
+    SlotLease,
+)
 from .level import Budget
 from .policy import (
     MAX_LIMIT,
@@ -10,21 +18,9 @@ from .policy import (
     recovering_notice,
     validate_limit,
 )
-from .provider import (
-    AdmissionGate,
-    HolderStatus,
-    KeySettings,
-    KeyStatus,
-    Lease,
-    LimiterSettings,
-    ModelCap,
-    ModelStatus,
-    ProviderLimiter,
-    ProviderStatus,
-    SlotLease,
-    WaiterStatus,
-)
+from .provider import ProviderLimiter
 from .queue import Priority, Waiter, WaiterQueue
+from .status import HolderStatus, KeyStatus, ModelStatus, ProviderStatus, WaiterStatus
 
 __all__ = [
     "MAX_LIMIT",

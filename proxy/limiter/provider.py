@@ -8,303 +8,43 @@ here can be replayed on fake time.
 A slot is taken at every level that applies, at once or not at all: the
 provider's limit, the model cap the request's model matches, and one key of the
 pool. The queue is one priority order, kept as one heap per *class* of waiter
-(its model cap, and its workspace when ``max_share`` is set): a waiter whose cap
-is full never holds up a waiter of another class behind it. Each grant looks at
-the head of each class only, so it costs O(classes + log n).
+(its model cap, and its workspace when ``max_share`` is set; ``queue.ClassedQueue``):
+a waiter whose cap is full never holds up a waiter of another class behind it.
+Each grant looks at the head of each class only, so it costs O(classes + log n).
+
+Its settings and the lease it grants are in ``lease``; what it reports, in ``status``.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit
 from . import policy
 from .clock import Clock
 from .deadlines import Deadlines
+from .lease import AdmissionGate, Lease, LimiterSettings
 from .level import Budget, LimitLevel
 from .policy import QUEUE_LISTED, LimitKey, StickyKeys
-from .queue import Priority, Waiter, WaiterClass, WaiterQueue
+from .queue import ClassedQueue, Priority, Waiter, WaiterClass
+from .status import (
+    ModelStatus,
+    ProviderStatus,
+    WaiterStatus,
+    budget_of,
+    holder_statuses,
+    key_status,
+    ms,
+    waiter_statuses,
+)
 from .watchdog import SlotWatchdog
 
-__all__ = [
-    "AdmissionGate",
-    "HolderStatus",
-    "KeySettings",
-    "KeyStatus",
-    "Lease",
-    "LimiterSettings",
-    "ModelCap",
-    "ModelStatus",
-    "ProviderLimiter",
-    "ProviderStatus",
-    "SlotLease",
-    "WaiterStatus",
-]
+__all__ = ["ProviderLimiter"]
 
 log = logging.getLogger("slotproxy.limiter")
-
-@dataclass(frozen=True, slots=True)
-class KeySettings:
-    """One key of a provider's pool. ``available`` is False when its variable is unset: it is never chosen."""
-
-    name: str
-    limit: int | None = None
-    available: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class ModelCap:
-    pattern: str
-    limit: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class LimiterSettings:
-    limit: int | None = None
-    release_cooldown: float = 0.0
-    default_pause: float = 30.0
-    overload_pause: float = 5.0
-    slot_timeout: float | None = 900.0
-    queue_timeout: float | None = 600.0
-    max_queue: int = 10_000
-    recovery_after: float | None = None
-    keys: tuple[KeySettings, ...] = ()
-    models: tuple[ModelCap, ...] = ()
-    max_share: float | None = None
-    budgets: bool = False
-
-    def pool(self) -> tuple[KeySettings, ...]:
-        """The keys that may be chosen; none available means no pool (the provider is its one key)."""
-        return tuple(key for key in self.keys if key.available)
-
-    def classed(self) -> bool:
-        """Whether waiters are kept apart by model cap and workspace (else one heap does)."""
-        return bool(self.models) or self.max_share is not None
-
-    def level_settings(self, limit: int | None) -> LimiterSettings:
-        """The settings of a key or model level: its own limit; pause and recovery as the provider's;
-        no release cooldown (that is the provider's alone)."""
-        return replace(self, limit=limit, release_cooldown=0.0, keys=(), models=())
-
-
-class AdmissionGate(Protocol):
-    """An extra admission condition beyond the limit (the usage gate)."""
-
-    def admits(self) -> bool:
-        """May one more request be admitted now?"""
-
-    def admitted(self) -> None:
-        """One request was just admitted."""
-
-    def request_poll(self) -> None:
-        """Something changed (a release, a new waiter): look at upstream again."""
-
-    def status(self) -> dict[str, object]: ...
-
-
-class SlotLease(Protocol):
-    """What the relay needs of a held slot, whichever backend granted it."""
-
-    priority: Priority
-    seq: int
-    granted_at: float
-    queue_wait: float
-    reclaimed: bool
-    on_reclaim: Callable[[], None] | None
-    key: str | None
-    """The pool key this slot was taken on (None without a pool): the relay sends it upstream."""
-
-    def release(self) -> None: ...
-
-    def headers_received(self) -> None: ...
-
-
-class Lease:
-    """A held slot. ``release()`` may be called any number of times; only the first counts."""
-
-    __slots__ = (
-        "_levels",
-        "_limiter",
-        "granted_at",
-        "headers_at",
-        "key",
-        "model",
-        "on_reclaim",
-        "priority",
-        "queue_wait",
-        "reclaimed",
-        "released",
-        "seq",
-        "starred",
-    )
-
-    def __init__(
-        self, limiter: ProviderLimiter, priority: Priority, seq: int, granted_at: float, queue_wait: float
-    ) -> None:
-        self._limiter = limiter
-        self.priority = priority
-        self.seq = seq
-        self.granted_at = granted_at
-        self.queue_wait = queue_wait
-        self.on_reclaim: Callable[[], None] | None = None
-        self.headers_at: float | None = None
-        self.released = False
-        self.reclaimed = False
-        self.key: str | None = None
-        self.model: str | None = None
-        self.starred = priority.starred
-        self._levels: tuple[LimitLevel, ...] = ()
-        """The key and model levels it holds a slot at, beside the provider's (a reload may drop them
-        from the config; the slot is still given back to them)."""
-
-    def release(self) -> None:
-        self._limiter._release(self)
-
-    def headers_received(self) -> None:
-        """Upstream answered with headers: from now on its usage count includes this request."""
-        self.headers_at = self._limiter._clock.time()
-
-
-@dataclass(frozen=True, slots=True)
-class WaiterStatus:
-    workspace: str
-    starred: bool
-    prompt_started_at: int
-    waited_ms: int
-    conversation: str | None
-    transport: str = "http"
-
-
-@dataclass(frozen=True, slots=True)
-class HolderStatus:
-    """A request holding a slot: who it is, and since when."""
-
-    workspace: str
-    starred: bool
-    conversation: str | None
-    model: str | None
-    key: str | None
-    transport: str
-    granted_at: int
-    held_ms: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"workspace": self.workspace, "starred": self.starred, "conversation": self.conversation,
-                "model": self.model, "key": self.key, "transport": self.transport, "granted_at": self.granted_at,
-                "held_ms": self.held_ms}
-
-
-@dataclass(frozen=True, slots=True)
-class KeyStatus:
-    name: str
-    available: bool
-    limit: int | None
-    configured_limit: int | None
-    in_flight: int
-    paused_until: int | None
-    auto_reduced_from: int | None
-    notice: str | None
-    budget: dict[str, int | None] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "available": self.available,
-            "limit": self.limit,
-            "configured_limit": self.configured_limit,
-            "in_flight": self.in_flight,
-            "paused": self.paused_until is not None,
-            "paused_until": self.paused_until,
-            "auto_reduced": self.auto_reduced_from is not None,
-            "auto_reduced_from": self.auto_reduced_from,
-            "notice": self.notice,
-            **({} if self.budget is None else {"budget": self.budget}),
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class ModelStatus:
-    pattern: str
-    limit: int | None
-    configured_limit: int | None
-    in_flight: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pattern": self.pattern, "limit": self.limit, "configured_limit": self.configured_limit,
-                "in_flight": self.in_flight}
-
-
-@dataclass(frozen=True, slots=True)
-class ProviderStatus:
-    """Everything observable about one provider, read from one snapshot."""
-
-    provider: str
-    limit: int | None
-    configured_limit: int | None
-    in_flight: int
-    queued: int
-    paused: bool
-    paused_until: int | None
-    cooldown_ms: int
-    auto_reduced: bool
-    auto_reduced_from: int | None
-    notice: str | None
-    queue: tuple[WaiterStatus, ...] = ()
-    counters: dict[str, int] = field(default_factory=dict)
-    usage: dict[str, object] | None = None
-    local_in_flight: int | None = None
-    """Slots held by this replica, where slots are shared by several (the Redis backend)."""
-    keys: tuple[KeyStatus, ...] = ()
-    models: tuple[ModelStatus, ...] = ()
-    budget: dict[str, int | None] | None = None
-    """With ``budgets`` and no pool, the provider's own budget (it is its one key)."""
-    holders: tuple[HolderStatus, ...] = ()
-    """The requests holding slots, longest held first (the first ``QUEUE_LISTED``)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "provider": self.provider,
-            "limit": self.limit,
-            "configured_limit": self.configured_limit,
-            "in_flight": self.in_flight,
-            "queued": self.queued,
-            "paused": self.paused,
-            "paused_until": self.paused_until,
-            "cooldown_ms": self.cooldown_ms,
-            "auto_reduced": self.auto_reduced,
-            "auto_reduced_from": self.auto_reduced_from,
-            "notice": self.notice,
-            "queue": [
-                {
-                    "workspace": w.workspace,
-                    "starred": w.starred,
-                    "prompt_started_at": w.prompt_started_at,
-                    "waited_ms": w.waited_ms,
-                    "conversation": w.conversation,
-                    "transport": w.transport,
-                }
-                for w in self.queue
-            ],
-            "holders": [holder.to_dict() for holder in self.holders],
-            "usage": self.usage,
-            "rejected": {
-                "queue_full": self.counters.get("queue_full", 0),
-                "queue_timeout": self.counters.get("queue_timeouts", 0),
-            },
-            "keys": [key.to_dict() for key in self.keys],
-            "models": [model.to_dict() for model in self.models],
-            **({} if self.budget is None else {"budget": self.budget}),
-            **({} if self.local_in_flight is None else {"local_in_flight": self.local_in_flight}),
-        }
-
-
-def _ms(seconds: float) -> int:
-    return round(seconds * 1000)
 
 
 class ProviderLimiter:
@@ -320,8 +60,7 @@ class ProviderLimiter:
         self._clock = clock
         self._settings = settings
         self._starred = frozenset(starred)
-        self._classes: dict[WaiterClass, WaiterQueue] = {}
-        self._queued = 0
+        self._waiting = ClassedQueue()
         self._deadlines: Deadlines[Waiter] = Deadlines(clock, self._expire)
         self._arrivals = itertools.count()
         self._dispatching = False
@@ -373,7 +112,7 @@ class ProviderLimiter:
         then grants at once whoever may go, a request for a model with room among them).
         ``key`` pins the slot to that key of the pool (ignored without a pool).
         """
-        if self._queued or not self._provider_room():
+        if self._waiting.count or not self._provider_room():
             return None
         pattern = policy.model_pattern(model, self._patterns) if self._patterns else None
         if pattern is not None and not self._models[pattern].has_room():
@@ -423,9 +162,9 @@ class ProviderLimiter:
         ``client_wait`` that leaves no time to wait at all times out at once, unless the
         request is granted at once.
         """
-        if self._queued >= self._settings.max_queue:
+        if self._waiting.count >= self._settings.max_queue:
             self.counters["queue_full"] += 1
-            log.warning("provider=%s queue full (%d waiting): request refused", self.name, self._queued)
+            log.warning("provider=%s queue full (%d waiting): request refused", self.name, self._waiting.count)
             raise QueueFull(
                 f"slotproxy queue for provider '{self.name}' is full ({self._settings.max_queue} waiting); retry later",
                 retry_after=self._retry_after_hint(),
@@ -466,39 +205,16 @@ class ProviderLimiter:
                 waiter.key)
 
     def _push(self, waiter: Waiter) -> None:
-        waiter.waiter_class = self._class_of(waiter)
-        queue = self._classes.get(waiter.waiter_class)
-        if queue is None:
-            queue = self._classes[waiter.waiter_class] = WaiterQueue()
-        queue.push(waiter)
-        self._queued += 1
-
-    def _take_out(self, waiter: Waiter) -> bool:
-        queue = self._classes.get(waiter.waiter_class)
-        if queue is None or not queue.remove(waiter):
-            return False
-        self._queued -= 1
-        if not len(queue):
-            del self._classes[waiter.waiter_class]
-        return True
-
-    def _take_head(self, waiter: Waiter) -> None:
-        """The chosen waiter is the head of its class: popped off its heap, not merely marked (a retry
-        re-queues with the same place, and must not meet its old entry there)."""
-        queue = self._classes[waiter.waiter_class]
-        queue.pop()
-        self._queued -= 1
-        if not len(queue):
-            del self._classes[waiter.waiter_class]
+        self._waiting.push(waiter, self._class_of(waiter))
 
     def cancel(self, waiter: Waiter) -> None:
         """The waiter's client left: take it out of the queue; it is never granted."""
-        if self._take_out(waiter):
+        if self._waiting.remove(waiter):
             waiter.forget_callbacks()
-            self._deadlines.settle(self._queued)
+            self._deadlines.settle(self._waiting.count)
 
     def _expire(self, waiter: Waiter) -> None:
-        if not self._take_out(waiter):
+        if not self._waiting.remove(waiter):
             return
         on_reject = waiter.on_reject
         waiter.forget_callbacks()
@@ -516,14 +232,12 @@ class ProviderLimiter:
         """Reject every waiter (graceful shutdown); returns how many there were."""
         count = 0
         self._deadlines.clear()
-        classes, self._classes, self._queued = self._classes, {}, 0
-        for queue in classes.values():
-            while (waiter := queue.pop()) is not None:
-                count += 1
-                on_reject = waiter.on_reject
-                waiter.forget_callbacks()
-                if on_reject is not None:
-                    on_reject(error)
+        for waiter in self._waiting.take_all():
+            count += 1
+            on_reject = waiter.on_reject
+            waiter.forget_callbacks()
+            if on_reject is not None:
+                on_reject(error)
         return count
 
     def _retry_after_hint(self) -> float:
@@ -541,7 +255,7 @@ class ProviderLimiter:
 
     @property
     def queued(self) -> int:
-        return self._queued
+        return self._waiting.count
 
     def paused(self) -> bool:
         return self._paused_until() is not None
@@ -578,9 +292,7 @@ class ProviderLimiter:
             return None
         if self._pool and not any(level.has_room() for level in self._pool):
             return None
-        heads = [queue.head() for queue in self._classes.values()]
-        if len(heads) > 1:
-            heads.sort(key=_head_order)
+        heads = self._waiting.heads()
         cap = policy.share_cap(self._settings.max_share, self._capacity())
         over_share: Waiter | None = None
         for _, waiter in heads:
@@ -638,12 +350,12 @@ class ProviderLimiter:
             return
         self._dispatching = True
         try:
-            while self._queued:
+            while self._waiting.count:
                 chosen = self._next_grant()
                 if chosen is None:
                     break
                 waiter, key = chosen
-                self._take_head(waiter)
+                self._waiting.pop_head(waiter)
                 on_grant = waiter.on_grant
                 waiter.forget_callbacks()
                 lease = self._grant(waiter.priority, waiter.seq, self._clock.time() - waiter.enqueued_at,
@@ -653,7 +365,7 @@ class ProviderLimiter:
                     on_grant(lease)
         finally:
             self._dispatching = False
-            self._deadlines.settle(self._queued)
+            self._deadlines.settle(self._waiting.count)
 
     def dispatch(self) -> None:
         """Grant whoever may go now (after a usage poll answered, say)."""
@@ -757,8 +469,7 @@ class ProviderLimiter:
         if workspaces == self._starred:
             return
         self._starred = frozenset(workspaces)
-        for queue in self._classes.values():
-            queue.restar(self._starred)
+        self._waiting.restar(self._starred)
 
     def apply_settings(self, settings: LimiterSettings) -> None:
         """A config reload. A changed YAML limit or cooldown counts as a manual change.
@@ -774,12 +485,9 @@ class ProviderLimiter:
         self._active.set_timeout(settings.slot_timeout)
 
     def _reclassify(self) -> None:
-        classes, self._classes, self._queued = self._classes, {}, 0
-        for queue in classes.values():
-            for waiter in list(queue.in_order()):
-                queue.remove(waiter)
-                waiter.queued = True
-                self._push(waiter)
+        for waiter in self._waiting.take_all():
+            waiter.queued = True
+            self._push(waiter)
 
     def export_state(self) -> dict[str, Any]:
         state = self.level.export_state()
@@ -808,19 +516,7 @@ class ProviderLimiter:
     def statistics(self, *, queue_detail: bool = True) -> ProviderStatus:
         """The status snapshot; the queue listing holds the next ``QUEUE_LISTED`` waiters at most."""
         now = self._clock.time()
-        queue: tuple[WaiterStatus, ...] = ()
-        if queue_detail:
-            queue = tuple(
-                WaiterStatus(
-                    workspace=w.priority.workspace,
-                    starred=w.starred,
-                    prompt_started_at=policy.prompt_ms(w.priority.prompt_started_at),
-                    waited_ms=_ms(now - w.enqueued_at),
-                    conversation=w.priority.conversation,
-                    transport=w.priority.transport,
-                )
-                for w in self._in_order(QUEUE_LISTED)
-            )
+        queue: tuple[WaiterStatus, ...] = waiter_statuses(self._waiting.in_order(QUEUE_LISTED), now) if queue_detail else ()
         level = self.level
         paused_until = self._paused_until()
         counters = {**self.counters, **level.counters}
@@ -834,61 +530,19 @@ class ProviderLimiter:
             limit=level.limit,
             configured_limit=level.configured_limit,
             in_flight=level.in_flight,
-            queued=self._queued,
+            queued=self._waiting.count,
             paused=paused_until is not None,
-            paused_until=None if paused_until is None else _ms(paused_until),
-            cooldown_ms=_ms(level.cooldown),
+            paused_until=None if paused_until is None else ms(paused_until),
+            cooldown_ms=ms(level.cooldown),
             auto_reduced=level.auto_reduced_from is not None,
             auto_reduced_from=level.auto_reduced_from,
             notice=level.notice,
             queue=queue,
             counters=counters,
             usage=self.gate.status() if self.gate is not None else None,
-            keys=tuple(_key_status(name, key, key in pool, budgets) for name, key in self._keys.items()),
+            keys=tuple(key_status(name, key, key in pool, budgets) for name, key in self._keys.items()),
             models=tuple(ModelStatus(pattern, cap.limit, cap.configured_limit, cap.in_flight)
                          for pattern, cap in self._models.items()),
-            budget=_budget_of(level) if budgets and not self._pool else None,
-            holders=self._holders(now) if queue_detail else (),
+            budget=budget_of(level) if budgets and not self._pool else None,
+            holders=holder_statuses(itertools.islice(self._active, QUEUE_LISTED), now) if queue_detail else (),
         )
-
-    def _holders(self, now: float) -> tuple[HolderStatus, ...]:
-        return tuple(
-            HolderStatus(workspace=lease.priority.workspace, starred=lease.starred,
-                         conversation=lease.priority.conversation, model=lease.model, key=lease.key,
-                         transport=lease.priority.transport, granted_at=_ms(lease.granted_at),
-                         held_ms=_ms(now - lease.granted_at))
-            for lease in itertools.islice(self._active, QUEUE_LISTED))
-
-    def _in_order(self, limit: int) -> list[Waiter]:
-        if len(self._classes) == 1:
-            return list(next(iter(self._classes.values())).in_order(limit))
-        merged = heapq.merge(*(queue.in_order(limit) for queue in self._classes.values()), key=_waiter_order)
-        return list(itertools.islice(merged, limit))
-
-
-def _head_order(head: tuple[int, Waiter]) -> int:
-    return head[0]
-
-
-def _waiter_order(waiter: Waiter) -> int:
-    return waiter.sort_key()
-
-
-def _budget_of(level: LimitLevel) -> dict[str, int | None]:
-    budget = level.budget or Budget()
-    return budget.to_dict(level.held_until)
-
-
-def _key_status(name: str, level: LimitLevel, available: bool, budgets: bool) -> KeyStatus:
-    paused_until = level.paused_until
-    return KeyStatus(
-        name=name,
-        available=available,
-        limit=level.limit,
-        configured_limit=level.configured_limit,
-        in_flight=level.in_flight,
-        paused_until=None if paused_until is None else _ms(paused_until),
-        auto_reduced_from=level.auto_reduced_from,
-        notice=level.notice,
-        budget=_budget_of(level) if budgets else None,
-    )

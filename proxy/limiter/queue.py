@@ -3,18 +3,23 @@
 Push and pop are O(log n). A cancelled waiter is only marked; it is skipped when it
 reaches the top, and the heap is compacted when dead entries outnumber live ones, so
 cancellation is O(1) amortised and nothing ever sorts the queue on insert.
+
+A provider's queue (``ClassedQueue``) is one such heap per class of waiter (its model
+cap, its workspace when ``max_share`` is set, the key it is pinned to): a waiter whose
+class cannot go never holds up a waiter of another class behind it.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .policy import queue_key
 
-__all__ = ["Priority", "Waiter", "WaiterClass", "WaiterQueue"]
+__all__ = ["ClassedQueue", "Priority", "Waiter", "WaiterClass", "WaiterQueue"]
 
 WaiterClass = tuple[str | None, str | None, str | None] | None
 """Which heap of its provider's queue a waiter is in: (model cap pattern, workspace when shares apply, the
@@ -124,3 +129,67 @@ class WaiterQueue:
     def _rebuild(self) -> None:
         self._heap = [(w.sort_key(), w) for _, w in self._heap if w.queued]
         heapq.heapify(self._heap)
+
+
+class ClassedQueue:
+    """A provider's queue: one ``WaiterQueue`` per class of waiter; ``count`` is the waiters in all of them."""
+
+    __slots__ = ("_heaps", "count")
+
+    def __init__(self) -> None:
+        self._heaps: dict[WaiterClass, WaiterQueue] = {}
+        self.count = 0
+
+    def push(self, waiter: Waiter, waiter_class: WaiterClass) -> None:
+        waiter.waiter_class = waiter_class
+        queue = self._heaps.get(waiter_class)
+        if queue is None:
+            queue = self._heaps[waiter_class] = WaiterQueue()
+        queue.push(waiter)
+        self.count += 1
+
+    def remove(self, waiter: Waiter) -> bool:
+        """Take a waiter out (its client left or it timed out); False if it was not queued."""
+        queue = self._heaps.get(waiter.waiter_class)
+        if queue is None or not queue.remove(waiter):
+            return False
+        self.count -= 1
+        if not len(queue):
+            del self._heaps[waiter.waiter_class]
+        return True
+
+    def pop_head(self, waiter: Waiter) -> None:
+        """The chosen waiter is the head of its class: popped off its heap, not merely marked (a retry
+        re-queues with the same place, and must not meet its old entry there)."""
+        queue = self._heaps[waiter.waiter_class]
+        queue.pop()
+        self.count -= 1
+        if not len(queue):
+            del self._heaps[waiter.waiter_class]
+
+    def heads(self) -> list[tuple[int, Waiter]]:
+        """Each class's first waiter with its sort key, in queue order."""
+        heads = [queue.head() for queue in self._heaps.values()]
+        if len(heads) > 1:
+            heads.sort(key=_key)
+        return heads
+
+    def take_all(self) -> list[Waiter]:
+        """Empty the queue: every waiter it held, class by class in queue order, no longer queued."""
+        heaps, self._heaps, self.count = self._heaps, {}, 0
+        taken = []
+        for queue in heaps.values():
+            while (waiter := queue.pop()) is not None:
+                taken.append(waiter)
+        return taken
+
+    def restar(self, starred_workspaces: frozenset[str]) -> None:
+        for queue in self._heaps.values():
+            queue.restar(starred_workspaces)
+
+    def in_order(self, limit: int) -> list[Waiter]:
+        """The first ``limit`` waiters in queue order over every class (for status; not on a hot path)."""
+        if len(self._heaps) == 1:
+            return list(next(iter(self._heaps.values())).in_order(limit))
+        merged = heapq.merge(*(queue.in_order(limit) for queue in self._heaps.values()), key=Waiter.sort_key)
+        return list(itertools.islice(merged, limit))
