@@ -145,7 +145,7 @@ def _chunks(count: int) -> str:
 
 
 def _duration(seconds: float) -> str:
-    from ..config.model import format_duration  # loaded already wherever a relay runs
+    from ..config.types import format_duration  # loaded already wherever a relay runs
 
     return format_duration(seconds)
 

@@ -11,7 +11,7 @@ from aiohttp.web_request import BaseRequest
 
 from ..admin import history
 from ..admin import routes as admin_routes
-from ..config.model import RESERVED_PROVIDER_IDS
+from ..config.types import RESERVED_PROVIDER_IDS
 from ..errors import BadRequest, BodyTooLarge, Forbidden, ProxyError, UnknownProvider
 from ..http.answers import ALLOWED_ORIGIN, Answer, json_answer
 from ..http.connections import GuardedRunner, Handler

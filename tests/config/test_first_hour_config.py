@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.config.model import env_name_for_display, looks_like_a_key
+from proxy.config.types import env_name_for_display, looks_like_a_key
 from proxy.http.connections import ConnectionGuard, ConnectionSettings, connection_cap
 
 from ..conftest import chat

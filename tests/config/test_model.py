@@ -13,14 +13,8 @@ import yaml
 from pydantic import ValidationError
 
 from proxy.config import Config, ProviderSettings, config_json_schema
-from proxy.config.model import (
-    Defaults,
-    Provider,
-    format_duration,
-    format_size,
-    parse_duration,
-    parse_size,
-)
+from proxy.config.model import Defaults, Provider
+from proxy.config.types import format_duration, format_size, parse_duration, parse_size
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "config.example.yaml"
 
