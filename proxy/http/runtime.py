@@ -5,7 +5,7 @@
 - the backend (slots, queues, limits), built once;
 - ``Upstreams``: pooled sessions, timeouts, the provider keys to inject;
 - ``StarOverrides`` and ``StateWriter``: runtime stars and the state file;
-- ``UsagePollers``: the usage gates' poll loops;
+- ``GatePollers``: the concurrency gates' poll loops (the ``usage:`` blocks);
 - ``BrowserGuard`` and ``ConnectionGuard``: who may call, and how slowly;
 - ``OpenSockets``: the WebSockets open now (status, metrics, shutdown);
 - the request count that graceful shutdown waits on.
@@ -28,7 +28,7 @@ from ..backends import Backend, MemoryBackend
 from ..config import Config, ProviderSettings, beside_config
 from ..ledger.store import Ledger
 from ..limiter import KeySettings, LimiterSettings, ModelCap, SlotLease, policy
-from ..providers.concurrency_gate import UsagePollers
+from ..providers.concurrency_gate import GatePollers
 from .access import ClientKeys
 from .accounting import Account
 from .connections import ConnectionGuard, ConnectionSettings
@@ -119,7 +119,7 @@ class ProxyState:
                                       self._runtime_state)
         self.ledger = Ledger(beside_config(config.ledger.path, config_path), config.ledger.retention,
                              on_dropped=self.metrics.ledger_dropped.inc)
-        self.pollers = UsagePollers()
+        self.pollers = GatePollers()
         self.listen_host = config.server.host
         self.connections = ConnectionGuard()
         self.admin_failures = AuthFailures(time.monotonic)

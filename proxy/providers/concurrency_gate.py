@@ -1,26 +1,27 @@
-"""Polling a provider's usage endpoint for the usage gate (the I/O half of the gate)."""
+"""The concurrency gate's poller: a provider's usage endpoint (the config's ``usage:`` block), which states
+how many requests the provider itself counts in flight, polled for the gate (``limiter.gate``: the
+decisions; this is its I/O half). Not token usage: that is read from the answers (``tokens``)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
 from ..aio import cancel_and_wait
-from ..backends.base import Backend
 from ..config.model import ProviderSettings, Usage
 from ..limiter import Clock, ProviderLimiter
 from ..limiter.gate import UsageGate
 
-__all__ = ["UsagePoller", "UsagePollers", "read_field"]
+__all__ = ["GatePoller", "GatePollers", "read_field"]
 
 log = logging.getLogger("slotproxy.usage")
 
 
-class UsagePollError(Exception):
+class GatePollError(Exception):
     """A usage poll that answered, but not with a usable count."""
 
 
@@ -33,13 +34,13 @@ def read_field(document: Any, dotted: str) -> float:
         elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
             value = value[int(part)]
         else:
-            raise UsagePollError(f"field '{dotted}' not found (stopped at '{part}')")
+            raise GatePollError(f"field '{dotted}' not found (stopped at '{part}')")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise UsagePollError(f"field '{dotted}' is {value!r}, not a non-negative number")
+        raise GatePollError(f"field '{dotted}' is {value!r}, not a non-negative number")
     return float(value)
 
 
-class UsagePoller:
+class GatePoller:
     """One provider's poll loop: on demand (release, admission, new waiter) and every interval while waiters wait.
 
     Polls never overlap: a request for a poll while one is running is kept in an
@@ -97,10 +98,10 @@ class UsagePoller:
             async with self._session.get(self.usage.url, headers=dict(self.usage.headers),
                                          timeout=self._timeout, allow_redirects=False) as response:
                 if response.status != 200:
-                    raise UsagePollError(f"HTTP {response.status}")
+                    raise GatePollError(f"HTTP {response.status}")
                 document = await response.json(content_type=None)
             count = read_field(document, self.usage.field)
-        except (aiohttp.ClientError, TimeoutError, ValueError, UsagePollError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ValueError, GatePollError) as exc:
             self.gate.poll_failed(_describe(exc))
             return
         self.gate.poll_succeeded(count, sent_at)
@@ -109,22 +110,30 @@ class UsagePoller:
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "timed out"
-    if isinstance(exc, UsagePollError):
+    if isinstance(exc, GatePollError):
         return str(exc)
     if isinstance(exc, ValueError):
         return "invalid JSON"
     return type(exc).__name__
 
 
-class UsagePollers:
+class GateHost(Protocol):
+    """What the pollers need of the backend: the limiter a gate can attach to, and its clock."""
+
+    clock: Clock
+
+    def usage_limiter(self, provider: str) -> ProviderLimiter | None: ...
+
+
+class GatePollers:
     """One poller per provider with a ``usage:`` block, on backends that can host its gate;
     a changed block restarts that provider's poller."""
 
     def __init__(self) -> None:
-        self._pollers: dict[str, UsagePoller] = {}
+        self._pollers: dict[str, GatePoller] = {}
         self._stopping: set[asyncio.Task[None]] = set()
 
-    def sync(self, providers: Mapping[str, ProviderSettings], backend: Backend,
+    def sync(self, providers: Mapping[str, ProviderSettings], backend: GateHost,
              session_for: Callable[[ProviderSettings], aiohttp.ClientSession]) -> None:
         for name, poller in list(self._pollers.items()):
             settings = providers.get(name)
@@ -139,7 +148,7 @@ class UsagePollers:
             limiter = backend.usage_limiter(name)
             if limiter is None:
                 continue
-            poller = UsagePoller(name, settings.usage, limiter, session_for(settings), backend.clock)
+            poller = GatePoller(name, settings.usage, limiter, session_for(settings), backend.clock)
             poller.start()
             self._pollers[name] = poller
 
