@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,11 +21,12 @@ from ..http.keys import STATE
 from ..http.state import TooManyStars
 from ..limiter import validate_limit
 from .status import provider_document
+from .throttle import AuthFailures
 
 if TYPE_CHECKING:
     from ..backends import Backend
 
-__all__ = ["add_routes"]
+__all__ = ["AUTH_FAILURES", "add_routes"]
 
 log = logging.getLogger("slotproxy.admin")
 
@@ -33,6 +35,9 @@ T = TypeVar("T")
 MAX_COOLDOWN_MS = 3_600_000
 _MAX_BODY = 4096
 _MAX_DEPTH = 32
+
+AUTH_FAILURES: web.AppKey[AuthFailures] = web.AppKey("slotproxy_auth_failures", AuthFailures)
+"""The failed admin authentications of the app's clients, per address."""
 
 
 def authorize(request: web.Request) -> None:
@@ -46,7 +51,7 @@ def authorize(request: web.Request) -> None:
     if not token:
         return
     address = request.remote or "unknown"
-    wait = state.admin_failures.blocked_for(address)
+    wait = request.app[AUTH_FAILURES].blocked_for(address)
     if wait is not None:
         raise AdminError(f"too many failed admin authentications from {address}; retry in {math.ceil(wait)}s",
                          status=429, code="rate_limited", retry_after=wait)
@@ -63,7 +68,7 @@ def authorize(request: web.Request) -> None:
 
 
 def _failed(request: web.Request, address: str, why: str) -> None:
-    count = request.app[STATE].admin_failures.failed(address)
+    count = request.app[AUTH_FAILURES].failed(address)
     if count is not None:
         log.warning("admin authentication failed from %s (%s): %d failure(s) since the last report",
                     address, why, count)
@@ -217,6 +222,7 @@ async def star(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
+    app[AUTH_FAILURES] = AuthFailures(time.monotonic)
     app.router.add_put("/_slotproxy/providers/{id}/limit", put_limit)
     app.router.add_put("/_slotproxy/providers/{id}/keys/{key}/limit", put_key_limit)
     app.router.add_put("/_slotproxy/providers/{id}/models/{pattern:.+}/limit", put_model_limit)

@@ -10,8 +10,9 @@
 - ``OpenSockets``: the WebSockets open now (status, metrics, shutdown);
 - the request count that graceful shutdown waits on.
 
-The status document (``admin.status``) and the HTTP layer read these parts; none
-of them imports the HTTP layer.
+The relay, the status document (``admin.status``) and the metrics read these
+parts; none of them imports the relay, and nothing here imports the admin routes
+(the failed admin logins are counted by ``admin.api`` itself).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
-from ..admin.throttle import AuthFailures
 from ..backends import Backend, MemoryBackend
 from ..config import Config, ProviderSettings, beside_config
 from ..ledger.store import Ledger
@@ -122,7 +122,6 @@ class ProxyState:
         self.pollers = GatePollers()
         self.listen_host = config.server.host
         self.connections = ConnectionGuard()
-        self.admin_failures = AuthFailures(time.monotonic)
         self.shutting_down = False
         self.active_requests = 0
         self.idle = asyncio.Event()
@@ -238,7 +237,7 @@ class ProxyState:
 
 def make_backend(config: Config) -> Backend:
     if config.backend.kind == "redis":
-        from ..backends.redis.backend import RedisBackend
+        from ..backends.redis import RedisBackend
 
         return RedisBackend(
             config.backend.url,
