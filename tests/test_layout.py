@@ -1,4 +1,5 @@
-"""The package's shape: imports point one way (no cycle), and the limiter core stays pure.
+"""The package's shape: each folder of ``proxy/`` is a layer and imports between them point one way, no
+import cycle, the limiter core stays pure, and no module grows past ``MAX_LINES``.
 
 Read from the source with ``ast``, so an import hidden in a function or under
 ``TYPE_CHECKING`` counts too. Importing ``a.b.c`` runs ``a/__init__`` and
@@ -11,6 +12,22 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "proxy"
+MAX_LINES = 600
+
+STACK = ("cli", "tools", "server", "admin", "http")
+"""From the top: each of these folders may import the ones after it, and every one of ``BELOW``."""
+BELOW = {
+    "providers": {"limiter", "config"},
+    "backends": {"ledger", "limiter"},
+    "ledger": set(),
+    "config": {"limiter"},
+    "limiter": set(),
+}
+"""The folders under the HTTP layer, and which of them each may import."""
+SHARED = {"proxy", "proxy.errors", "proxy.logs", "proxy.aio"}
+"""Modules at the top of the package that every folder may import; they import no folder."""
+ENTRY = {"proxy.__main__": {"cli"}}
+"""``python -m proxy``: imported by nobody, it may import what it runs."""
 
 
 def module_name(path: Path) -> str:
@@ -99,6 +116,66 @@ def _third_party(name: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
             roots.add(node.module.split(".")[0])
     return roots
+
+
+def allowed_folders() -> dict[str, set[str]]:
+    allowed = {folder: set(below) for folder, below in BELOW.items()}
+    for index, folder in enumerate(STACK):
+        allowed[folder] = set(STACK[index + 1:]) | set(BELOW)
+    return allowed
+
+
+def folder_of(name: str) -> str | None:
+    """The folder (layer) a module is in; None for a module at the top of the package."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else None
+
+
+def layer_violations() -> list[str]:
+    allowed = allowed_folders()
+    found = []
+    for name in sorted(MODULES):
+        source = folder_of(name)
+        for target in sorted(imports_of(name)):
+            destination = folder_of(target)
+            if target in SHARED or destination == source:
+                continue
+            if source is None:
+                ok = destination in ENTRY.get(name, set())
+            else:
+                ok = destination in allowed[source]
+            if not ok:
+                found.append(f"{name} -> {target}")
+    return found
+
+
+def test_every_folder_and_top_module_has_its_place_in_the_layers() -> None:
+    folders = {path.name for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    assert folders == set(STACK) | set(BELOW), folders ^ (set(STACK) | set(BELOW))
+    top = {name for name in MODULES if folder_of(name) is None}
+    assert top == SHARED | set(ENTRY), top ^ (SHARED | set(ENTRY))
+
+
+def test_imports_between_the_folders_point_one_way() -> None:
+    """cli -> tools -> server -> admin -> http -> {providers, ledger, backends, config, limiter}; below the
+    HTTP layer backends -> {ledger, limiter}, providers -> {limiter, config}, config -> limiter; anyone ->
+    proxy.errors, proxy.logs, proxy.aio. Lazy imports inside functions count."""
+    offending = layer_violations()
+    assert not offending, "imports against the layers:\n" + "\n".join(offending)
+
+
+def test_the_layer_check_finds_an_edge_upward() -> None:
+    assert "admin" not in allowed_folders()["http"] and "http" in allowed_folders()["admin"]
+    assert "backends" not in allowed_folders()["providers"] and "cli" not in allowed_folders()["tools"]
+    assert all(folder not in allowed_folders()[folder] for folder in allowed_folders())
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    """Split where the seams are long before this: a module near the limit is a room with two uses."""
+    sizes = {str(path.relative_to(PACKAGE.parent)): len(path.read_text(encoding="utf-8").splitlines())
+             for path in PACKAGE.rglob("*.py")}
+    over = sorted(f"{path}: {lines} lines" for path, lines in sizes.items() if lines > MAX_LINES)
+    assert not over, f"over {MAX_LINES} lines:\n" + "\n".join(over)
 
 
 def test_the_limiter_core_imports_no_aiohttp_and_no_redis() -> None:
