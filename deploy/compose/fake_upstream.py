@@ -1,7 +1,7 @@
 """The fake upstream for docker-compose.yml, listening on every interface of its container.
 
 ``slotproxy fake-upstream`` listens on 127.0.0.1 only, which other containers
-cannot reach; this serves the same fake (``proxy.fake_upstream``) on
+cannot reach; this serves the same fake (``proxy.tools.fake_upstream``) on
 ``FAKE_HOST`` (default 0.0.0.0) and ``FAKE_PORT`` (default 9100) with a hard
 concurrency cap of ``FAKE_CAP`` (default 4), until SIGTERM or SIGINT.
 """
