@@ -46,6 +46,7 @@ VARIANTS = {
     "headers": "headers not filtered either way (only Content-Type forwarded, as the bare relay does)",
     "guard": "the guard's checks off (Host, Origin, method and path checks)",
     "all": "all four of the above off",
+    "ledger": "nothing recorded when a request ends (no ledger row, no fleet aggregates, no token counters)",
     "server": "the relay itself replaced by the bare relay's handler (what is left is slotproxy's server: "
               "connection limits, the guard, the answers)",
 }
@@ -64,6 +65,10 @@ def _switch_off(parts: set[str]) -> None:
             self.needs_slot = False
 
         relay.Exchange.__init__ = without_slot  # type: ignore[method-assign]
+    if "ledger" in parts:
+        from proxy.http.runtime import ProxyState
+
+        ProxyState.account = lambda self, account: None  # type: ignore[method-assign]
     if "priority" in parts:
         relay.parse_priority = lambda headers, names, now: (  # type: ignore[assignment]
             Priority(prompt_started_at=now, workspace="default", starred=False, conversation=None), [])

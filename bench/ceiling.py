@@ -7,6 +7,12 @@ one run, as one process and as two processes sharing the port (SO_REUSEPORT), so
 the gap between slotproxy and the target can be read as "slotproxy's own cost" and
 "what aiohttp itself costs on this machine".
 
+slotproxy runs with its ledger on (``ledger.path`` a file in the run's temp
+folder: one SQLite row per request, written by its writer thread once a
+second) and, paired in the same rounds, with ``ledger: {path: null}``, so the
+ledger's share of the CPU per request is read apart. After the run the rows in
+the ledger file are counted against the requests slotproxy was sent.
+
     python bench/ceiling.py [--rounds 3] [--duration 5]
 """
 
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sqlite3
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -33,19 +40,23 @@ from common import (
     machine_note,
     missing_tools,
     nginx_version,
+    pass_miss_table,
     raise_on_sigterm,
     run_loop,
     run_wrk,
+    start_serve,
     static_nginx_conf,
     wait_http,
     wrk_version,
 )
-from overhead import BODY, PATH_PROXIED, proxy_conf, start_nginx, start_slotproxy
+from overhead import BODY, PATH_PROXIED, proxy_conf, slotproxy_yaml, start_nginx
 
 CONNS = 16
 TARGET_RATIO = 0.20
 TARGET_CPU_RATIO = 1.15
-PATHS = ("nginx", "slotproxy", "aiohttp ×1", "aiohttp ×2")
+LEDGER_OFF = "slotproxy, ledger off"
+PATHS = ("nginx", "slotproxy", LEDGER_OFF, "aiohttp ×1", "aiohttp ×2")
+LEDGER_FILE = "ceiling-ledger.sqlite"
 
 
 def run_relay(port: int, upstream: str) -> None:
@@ -62,7 +73,22 @@ def start_relays(procs: Processes, name: str, count: int, upstream: str) -> tupl
     return f"http://{HOST}:{port}{PATH_PROXIED}", pids
 
 
-def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[tuple[float, float]]]:
+def start_slotproxy(procs: Processes, name: str, upstream: str, ledger: str) -> tuple[int, int]:
+    """slotproxy with ``ledger: {path: <ledger>}`` (``null``: no ledger); its pid and port."""
+    port = free_port()
+    config = slotproxy_yaml(port, {"bench": upstream}) + f"ledger: {{path: {ledger}}}\n"
+    return start_serve(procs, name, port, config).pid, port
+
+
+def ledger_rows(path: Path) -> int:
+    """The rows in slotproxy's ledger file (read after slotproxy stopped: SIGTERM writes what is pending)."""
+    if not path.exists():
+        return 0
+    with sqlite3.connect(path) as connection:
+        return int(connection.execute("SELECT count(*) FROM requests").fetchone()[0])
+
+
+def measure(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, list[tuple[float, float]]], dict[str, int]]:
     lua = workdir / "post.lua"
     lua.write_text(WRK_LUA % BODY)
     procs = Processes(workdir)
@@ -71,16 +97,22 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[tuple[flo
         start_nginx(procs, "nginx-static", static_nginx_conf(workdir / "nginx-static", static_port), "/")
         ngx, ngx_worker = start_nginx(procs, "nginx-proxy", proxy_conf(workdir / "nginx-proxy", nginx_port, static_port),
                                       "/bench/")
-        slot, slot_port = start_slotproxy(procs, "slotproxy", {"bench": f"http://{HOST}:{static_port}"})
+        slot, slot_port = start_slotproxy(procs, "slotproxy", f"http://{HOST}:{static_port}",
+                                          str(workdir / LEDGER_FILE))
+        off, off_port = start_slotproxy(procs, "slotproxy-ledger-off", f"http://{HOST}:{static_port}", "null")
         upstream = f"http://{HOST}:{static_port}/"
         targets = {
             "nginx": (f"http://{HOST}:{nginx_port}{PATH_PROXIED}", [ngx.pid, ngx_worker]),
-            "slotproxy": (f"http://{HOST}:{slot_port}{PATH_PROXIED}", [slot.pid]),
+            "slotproxy": (f"http://{HOST}:{slot_port}{PATH_PROXIED}", [slot]),
+            LEDGER_OFF: (f"http://{HOST}:{off_port}{PATH_PROXIED}", [off]),
             "aiohttp ×1": start_relays(procs, "relay1", 1, upstream),
             "aiohttp ×2": start_relays(procs, "relay2", 2, upstream),
         }
-        for url, _ in targets.values():
-            run_wrk(url, CONNS, 1, lua)
+        sent = {"slotproxy": 0}
+        for name, (url, _) in targets.items():
+            warm = run_wrk(url, CONNS, 1, lua)
+            if name == "slotproxy":
+                sent[name] += int(warm["requests"])
         results: dict[str, list[tuple[float, float]]] = {name: [] for name in PATHS}
         for number in range(1, args.rounds + 1):
             for name in PATHS:
@@ -88,15 +120,18 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[tuple[flo
                 before = cpu_seconds(pids)
                 figures = WrkFigures.of(run_wrk(url, CONNS, args.duration, lua))
                 cpu_us = (cpu_seconds(pids) - before) / max(figures.requests, 1) * 1e6
+                if name == "slotproxy":
+                    sent[name] += figures.requests
                 results[name].append((figures.rps, cpu_us))
-                log(f"round {number} {name:<11} {figures.rps:8.0f} req/s  {cpu_us:5.0f} µs CPU/req  "
+                log(f"round {number} {name:<21} {figures.rps:8.0f} req/s  {cpu_us:5.0f} µs CPU/req  "
                     f"errors {figures.errors}")
-        return results
     finally:
         procs.stop_all()
+    sent["ledger rows"] = ledger_rows(workdir / LEDGER_FILE)
+    return results, sent
 
 
-def report(results: dict[str, list[tuple[float, float]]], command: str) -> str:
+def report(results: dict[str, list[tuple[float, float]]], sent: dict[str, int], command: str) -> str:
     nginx = [rps for rps, _ in results["nginx"]]
     lines = [
         f"`{command}` — {CONNS} connections, wrk 1 thread.",
@@ -115,6 +150,20 @@ def report(results: dict[str, list[tuple[float, float]]], command: str) -> str:
         cpu_ratio = Spread.of([c / base for (_, c), base in zip(results[name], relay_cpu)])
         meets = "—" if name == "nginx" else ("yes" if ratio.median >= TARGET_RATIO else "no")
         lines.append(f"| {name} | {rps.fmt(0)} | {ratio.fmt(3)} | {cpu.fmt(0)} | {cpu_ratio.fmt(3)} | {meets} |")
+    on, off = [c for _, c in results["slotproxy"]], [c for _, c in results[LEDGER_OFF]]
+    share = Spread.of([a - b for a, b in zip(on, off)])
+    share_pct = Spread.of([(a - b) / a * 100 for a, b in zip(on, off)])
+    to_relay = {name: Spread.of([c / base for c, base in zip(cpu, relay_cpu)])
+                for name, cpu in (("slotproxy (ledger on)", on), ("slotproxy, ledger off", off))}
+    lines += [
+        "",
+        (f"The ledger's share of slotproxy's CPU per request (slotproxy − ledger off, paired per round): "
+         f"{share.fmt(1)} µs, {share_pct.fmt(1)} % of slotproxy's. The ledger file held {sent['ledger rows']} rows "
+         f"for the {sent['slotproxy']} requests slotproxy was sent (warm-up included)."),
+        "",
+        *pass_miss_table((f"CPU per request, {name} / aiohttp ×1", ratio.fmt(3), f"≤ {TARGET_CPU_RATIO}",
+                          ratio.median <= TARGET_CPU_RATIO) for name, ratio in to_relay.items()),
+    ]
     return "\n".join(lines)
 
 
@@ -136,8 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, raise_on_sigterm)
     command = command_line("ceiling.py", argv)
     with tempfile.TemporaryDirectory(prefix="slotproxy-ceiling-") as tmp:
-        results = measure(args, Path(tmp))
-    print(report(results, command))
+        results, sent = measure(args, Path(tmp))
+    print(report(results, sent, command))
     return 0
 
 

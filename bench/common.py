@@ -43,6 +43,8 @@ STATIC_REPLY = json.dumps(
         "object": "chat.completion",
         "model": "bench-model",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13,
+                  "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": {"reasoning_tokens": 0}},
     },
     separators=(",", ":"),
 )

@@ -18,6 +18,9 @@ from ..providers.tokens import UsageReader
 
 __all__ = ["Account", "BodyTail"]
 
+_UNKNOWN = (None, None, None, None, None)
+"""The five token counts of an answer that stated none."""
+
 _TAIL = 16 * 1024
 """How much of a streamed (not event-stream) answer is kept to read its usage from: every provider writes the
 usage object at the end of a JSON answer."""
@@ -51,27 +54,14 @@ class Account:
     def row(self) -> LedgerRow:
         priority = self.priority
         counts = self.usage.counts() if self.usage is not None else None
-        return LedgerRow(
-            ended_at=int(time.time() * 1000),
-            provider=self.provider,
-            key=self.key,
-            model=self.model,
-            workspace=priority.workspace if priority is not None else "default",
-            starred=priority.starred if priority is not None else False,
-            conversation=priority.conversation if priority is not None else None,
-            transport=self.transport,
-            status=self.status,
-            outcome=self.outcome,
-            queue_ms=self.queue_ms,
-            ttfb_ms=self.ttfb_ms,
-            duration_ms=round((time.monotonic() - self.arrived) * 1000),
-            input_tokens=None if counts is None else counts.input_tokens,
-            cached_input_tokens=None if counts is None else counts.cached_input_tokens,
-            cache_write_tokens=None if counts is None else counts.cache_write_tokens,
-            output_tokens=None if counts is None else counts.output_tokens,
-            reasoning_tokens=None if counts is None else counts.reasoning_tokens,
-            retries=self.retries,
-        )
+        if priority is None:
+            workspace, starred, conversation = "default", False, None
+        else:
+            workspace, starred, conversation = priority.workspace, priority.starred, priority.conversation
+        tokens = _UNKNOWN if counts is None else counts
+        return LedgerRow._make((int(time.time() * 1000), self.provider, self.key, self.model, workspace, starred,
+                                conversation, self.transport, self.status, self.outcome, self.queue_ms, self.ttfb_ms,
+                                round((time.monotonic() - self.arrived) * 1000), *tokens, self.retries))
 
 
 class BodyTail:

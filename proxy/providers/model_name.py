@@ -14,6 +14,7 @@ import re
 __all__ = ["frame_model", "model_hint", "request_model"]
 
 _LEADING_MODEL = re.compile(rb'\s*\{\s*"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
+_PLAIN_LEADING_MODEL = re.compile(rb'\s*\{\s*"model"\s*:\s*"([^"\\]{1,256})"')
 _FRAME_MODEL = re.compile(rb'"model"\s*:\s*"((?:[^"\\]|\\.){1,256})"')
 _PATH_MODEL = re.compile(r"(?:^|/)models/([^/:]{1,256}):")
 _SCAN = 1024
@@ -40,11 +41,13 @@ def model_hint(path: str, body: bytes) -> str | None:
     """The model a request names, for showing it and recording it (not for a model cap): the path's, else
     a top-level-looking ``"model"`` in the body's first or last 4 KiB (SDKs write it first, some last),
     never a parse of the body. A body that names it only in its middle shows none."""
-    in_path = _PATH_MODEL.search(path)
-    if in_path is not None:
+    if "models/" in path and (in_path := _PATH_MODEL.search(path)) is not None:
         return in_path.group(1)
     if not body:
         return None
+    plain = _PLAIN_LEADING_MODEL.match(body, 0, _SCAN)  # the common case, without escapes: one quick match
+    if plain is not None:
+        return plain.group(1).decode("utf-8", "replace")
     found = _LEADING_MODEL.match(body, 0, _SCAN) or _FRAME_MODEL.search(body, 0, _HINT_WINDOW) \
         or _FRAME_MODEL.search(body, max(0, len(body) - _HINT_WINDOW))
     return _string(found.group(1)) if found is not None else None

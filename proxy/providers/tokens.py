@@ -29,21 +29,22 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["USAGE_MARK", "TokenCounts", "UsageReader", "usage_in"]
 
 USAGE_MARK = b'"usage"'
 """Text without this cannot carry usage: the scanners look for it before anything else."""
-_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+_OBJECT_OPENS = re.compile(rb'\s*:\s*\{')
+_FIRST_WINDOW = 2048
 _DECODER = json.JSONDecoder()
 _MAX_OBJECT = 64 * 1024
 _MAX_COUNT = 1 << 53
 
 
-@dataclass(frozen=True, slots=True)
-class TokenCounts:
+class TokenCounts(NamedTuple):
+    """A tuple: one is built at the end of every request that stated its usage."""
+
     input_tokens: int = 0
     cached_input_tokens: int = 0
     cache_write_tokens: int = 0
@@ -51,9 +52,7 @@ class TokenCounts:
     reasoning_tokens: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        return {"input_tokens": self.input_tokens, "cached_input_tokens": self.cached_input_tokens,
-                "cache_write_tokens": self.cache_write_tokens, "output_tokens": self.output_tokens,
-                "reasoning_tokens": self.reasoning_tokens}
+        return self._asdict()
 
 
 class UsageReader:
@@ -82,44 +81,50 @@ def usage_in(text: bytes) -> list[dict[str, Any]]:
     """The ``"usage": {...}`` objects in a JSON text, found by a byte search and parsed alone (the rest of
     the text, a long answer's content say, is never parsed). A key inside a JSON string is escaped
     (``\\"usage\\"``), so what is found is an object's key."""
-    if USAGE_MARK not in text:
-        return []
     found = []
-    for match in _USAGE_OBJECT.finditer(text):
-        start = match.end() - 1
-        try:
-            value, _ = _DECODER.raw_decode(text[start:start + _MAX_OBJECT].decode("utf-8", "replace"))
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(value, dict):
+    at = text.find(USAGE_MARK)
+    while at >= 0:
+        value = _object_at(text, at + len(USAGE_MARK))
+        if value is not None:
             found.append(value)
+        at = text.find(USAGE_MARK, at + len(USAGE_MARK))
     return found
 
 
+def _object_at(text: bytes, after_key: int) -> dict[str, Any] | None:
+    """The JSON object after a ``"usage"`` key's colon, parsed alone (read from a small window first: usage
+    objects are a few hundred bytes)."""
+    opening = _OBJECT_OPENS.match(text, after_key)
+    if opening is None:
+        return None
+    start = opening.end() - 1
+    for window in (_FIRST_WINDOW, _MAX_OBJECT):
+        try:
+            value, _ = _DECODER.raw_decode(text[start:start + window].decode("utf-8", "replace"))
+        except (ValueError, RecursionError):
+            if start + window >= len(text):
+                return None
+            continue
+        return value if isinstance(value, dict) else None
+    return None
+
+
 def _normalised(fields: dict[str, Any]) -> TokenCounts | None:
+    get = fields.get
     if "prompt_tokens" in fields or "completion_tokens" in fields:
-        return TokenCounts(
-            input_tokens=_count(fields.get("prompt_tokens")),
-            cached_input_tokens=_count(_detail(fields, "prompt_tokens_details", "cached_tokens")),
-            output_tokens=_count(fields.get("completion_tokens")),
-            reasoning_tokens=_count(_detail(fields, "completion_tokens_details", "reasoning_tokens")),
-        )
+        return TokenCounts(_count(get("prompt_tokens")), _count(_detail(fields, "prompt_tokens_details", "cached_tokens")),
+                           0, _count(get("completion_tokens")),
+                           _count(_detail(fields, "completion_tokens_details", "reasoning_tokens")))
     if "input_tokens" not in fields and "output_tokens" not in fields:
         return None
-    creation, read = fields.get("cache_creation_input_tokens"), fields.get("cache_read_input_tokens")
+    creation, read = get("cache_creation_input_tokens"), get("cache_read_input_tokens")
     if creation is not None or read is not None:  # Anthropic
-        return TokenCounts(
-            input_tokens=_count(fields.get("input_tokens")) + _count(creation) + _count(read),
-            cached_input_tokens=_count(read),
-            cache_write_tokens=_count(creation),
-            output_tokens=_count(fields.get("output_tokens")),
-        )
-    return TokenCounts(
-        input_tokens=_count(fields.get("input_tokens")),
-        cached_input_tokens=_count(_detail(fields, "input_tokens_details", "cached_tokens")),
-        output_tokens=_count(fields.get("output_tokens")),
-        reasoning_tokens=_count(_detail(fields, "output_tokens_details", "reasoning_tokens")),
-    )
+        written, cached = _count(creation), _count(read)
+        return TokenCounts(_count(get("input_tokens")) + written + cached, cached, written,
+                           _count(get("output_tokens")), 0)
+    return TokenCounts(_count(get("input_tokens")), _count(_detail(fields, "input_tokens_details", "cached_tokens")),
+                       0, _count(get("output_tokens")),
+                       _count(_detail(fields, "output_tokens_details", "reasoning_tokens")))
 
 
 def _detail(fields: dict[str, Any], section: str, name: str) -> object:
@@ -128,7 +133,5 @@ def _detail(fields: dict[str, Any], section: str, name: str) -> object:
 
 
 def _count(value: object) -> int:
-    """A token count as stated; anything else (null, a string, a negative or absurd number) is 0."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _MAX_COUNT:
-        return 0
-    return value
+    """A token count as stated; anything else (null, a string, a bool, a negative or absurd number) is 0."""
+    return value if type(value) is int and 0 <= value < _MAX_COUNT else 0

@@ -147,3 +147,15 @@ def test_the_fleet_encoding_reads_back_as_the_ledger_would() -> None:
         (3, 300, 60, 100, 500)
     assert (docs["requests"], docs["errors"], docs["input_tokens"], docs["unknown_usage"]) == (1, 1, 0, 0)
     assert fleet.take() == []
+
+
+async def test_a_batch_of_any_size_is_written_whole_in_order(tmp_path: Path) -> None:
+    """Fifty rows to a statement, the rest one by one: every row, every field, in order."""
+    path = tmp_path / "ledger.sqlite"
+    ledger = Ledger(path, retention=86400)
+    await ledger.start()
+    written = [row(ended_at=NOW_MS + n, queue_ms=n, conversation=f"c{n}") for n in range(123)]
+    for entry in written:
+        ledger.record(entry)
+    await ledger.close()
+    assert [tuple(r.values()) for r in table(path)] == [tuple(entry) for entry in written]

@@ -111,3 +111,9 @@ def test_a_rate_limit_error_is_still_reported_while_usage_is_read() -> None:
     assert backoff is not None and backoff.cause == "rate_limit_error"
     scanner.feed(sse({"type": "message_delta", "usage": {"input_tokens": 3, "output_tokens": 2}}))
     assert reader.counts() == TokenCounts(input_tokens=3, output_tokens=2)
+
+
+def test_a_usage_object_longer_than_the_first_window_is_read_whole() -> None:
+    padding = {f"extra_{n}": "x" * 40 for n in range(80)}  # some 4 KiB of fields a provider may add
+    body = json.dumps({"id": "r", "usage": {**padding, "prompt_tokens": 7, "completion_tokens": 3}}).encode()
+    assert read(body) == TokenCounts(input_tokens=7, output_tokens=3)
