@@ -504,8 +504,8 @@ def fleet_run(procs: Processes, label: str, replicas: int, args: argparse.Namesp
         procs.stop_all()
     leftovers = None
     if prefix is not None:  # every replica has stopped (and released what it held): nothing should be left
-        leftovers = (int(info.client.zcard(f"{prefix}:{FLEET_PROVIDER}:leases")),
-                     int(info.client.zcard(f"{prefix}:{FLEET_PROVIDER}:waiters")))
+        leftovers = (int(info.client.zcard(f"{{{prefix}:{FLEET_PROVIDER}}}:leases")),
+                     int(info.client.zcard(f"{{{prefix}:{FLEET_PROVIDER}}}:waiters")))
     waits = [w for w in tally.queue_ms if not math.isnan(w)]
     unhealthy = [line for name in names for line in log_lines(procs, name, "redis backend unreachable")]
     if unhealthy:

@@ -45,6 +45,7 @@ from .types import (
     PositiveDuration,
     PositiveIntOrNull,
     ProviderId,
+    RedisAddress,
     Seconds,
     Share,
     Size,
@@ -69,6 +70,7 @@ __all__ = [
     "Provider",
     "ProviderSettings",
     "Recovery",
+    "RedisTls",
     "Server",
     "State",
     "Usage",
@@ -243,13 +245,60 @@ class Ledger(_Frozen):
     """Rows older than this are deleted (hourly); with Redis, the fleet's hourly aggregates expire with it."""
 
 
+class RedisTls(_Frozen):
+    """TLS to Redis (``rediss://``, or Sentinel and Cluster nodes): the system's CAs unless ``ca_file`` says
+    otherwise; a client certificate when the server asks for one."""
+
+    ca_file: NonEmptyStr | None = None
+    cert_file: NonEmptyStr | None = None
+    key_file: NonEmptyStr | None = None
+
+    @model_validator(mode="after")
+    def _cert_with_its_key(self) -> RedisTls:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together: set both (a client certificate) or neither")
+        return self
+
+
 class Backend(_Frozen):
     kind: Literal["memory", "redis"] = "memory"
     url: BackendUrl = "redis://127.0.0.1:6379/0"
+    sentinels: tuple[RedisAddress, ...] | None = None
+    """Sentinel addresses (host:port): the proxy asks them for the current primary of ``service``."""
+    service: NonEmptyStr | None = None
+    sentinel_password_env: EnvName | None = None
+    """The variable holding the sentinels' own password (the data nodes' is ``password_env``'s)."""
+    cluster: tuple[RedisAddress, ...] | None = None
+    """Redis Cluster seed nodes (host:port)."""
+    username: NonEmptyStr | None = None
+    password_env: EnvName | None = None
+    """The variable holding the data nodes' password, with ``sentinels`` or ``cluster`` (``url`` carries its own)."""
+    tls: RedisTls | None = None
     key_prefix: NonEmptyStr = "slotproxy"
     lease_ttl: PositiveDuration = 30.0
     on_backend_error: Literal["fail_closed", "local"] = "fail_closed"
     local_limit: PositiveIntOrNull = None
+
+    @model_validator(mode="after")
+    def _one_way_to_reach_redis(self) -> Backend:
+        given = [name for name in ("url", "sentinels", "cluster") if name in self.model_fields_set
+                 and getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"set exactly one of url, sentinels and cluster, not {' and '.join(given)}: they are "
+                             "three ways to reach Redis")
+        if self.sentinels is not None and self.service is None:
+            raise ValueError("sentinels needs service: the name the sentinels know the primary by (their "
+                             "'sentinel monitor <service> ...' line)")
+        if self.service is not None and self.sentinels is None:
+            raise ValueError("service is the Sentinel service name: it needs sentinels (their host:port list)")
+        if self.sentinels == () or self.cluster == ():
+            raise ValueError("sentinels and cluster need at least one host:port")
+        return self
+
+    @property
+    def topology(self) -> str:
+        """``single`` (url), ``sentinel`` or ``cluster``."""
+        return "sentinel" if self.sentinels is not None else "cluster" if self.cluster is not None else "single"
 
 
 class Logging(_Frozen):

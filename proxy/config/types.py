@@ -45,6 +45,7 @@ __all__ = [
     "PositiveDuration",
     "PositiveIntOrNull",
     "ProviderId",
+    "RedisAddress",
     "Seconds",
     "Share",
     "Size",
@@ -358,6 +359,8 @@ DottedPath = Annotated[
     str, _matching(_DOTTED_PATH, "must be a dotted path such as data.sessions.active")
 ]
 BackendUrl = Annotated[str, AfterValidator(_check_backend_url)]
+_REDIS_ADDRESS = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):[0-9]{1,5}")
+RedisAddress = Annotated[str, _matching(_REDIS_ADDRESS, "must be host:port, such as redis-1:6379")]
 AllowedHost = Annotated[str, AfterValidator(_check_allowed_host)]
 Origin = Annotated[str, AfterValidator(_check_origin)]
 Auth = Literal["bearer", "x-api-key"]

@@ -13,7 +13,9 @@ import pytest
 import redis
 
 from proxy.backends import MemoryBackend
-from proxy.backends.redis import RedisBackend
+from proxy.backends.redis import RedisBackend, RedisTarget
+
+from .topology import SERVICE, ClusterTopology, SentinelTopology
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -27,7 +29,7 @@ def require_redis(url: str = REDIS_URL) -> None:
 
 def delete_prefix(url: str, prefix: str) -> None:
     client = redis.Redis.from_url(url)
-    keys = list(client.scan_iter(f"{prefix}:*"))
+    keys = list(client.scan_iter(f"{prefix}:*")) + list(client.scan_iter(f"{{{prefix}:*"))
     if keys:
         client.delete(*keys)
     client.close()
@@ -40,13 +42,45 @@ def key_prefix() -> Iterator[str]:
     delete_prefix(REDIS_URL, prefix)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(scope="session")
+def sentinel_topology() -> Iterator[SentinelTopology]:
+    """A primary, a replica and three sentinels, for the whole session (a test that fails it over starts one
+    of its own)."""
+    topology = SentinelTopology.start()
+    yield topology
+    topology.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_topology() -> Iterator[ClusterTopology]:
+    topology = ClusterTopology.start()
+    yield topology
+    topology.stop()
+
+
+def sentinel_target(topology: SentinelTopology) -> RedisTarget:
+    return RedisTarget(sentinels=tuple(("127.0.0.1", s.port) for s in topology.sentinels), service=SERVICE)
+
+
+def cluster_target(topology: ClusterTopology) -> RedisTarget:
+    return RedisTarget(cluster=tuple(("127.0.0.1", node.port) for node in topology.nodes))
+
+
+@pytest.fixture(params=["memory", "redis", "sentinel", "cluster"])
 async def backend(request, key_prefix) -> AsyncIterator[MemoryBackend | RedisBackend]:
+    """Every backend the behaviour suite holds to the same answers: memory, one Redis server, Redis behind
+    Sentinel, a Redis Cluster."""
     if request.param == "memory":
         yield MemoryBackend()
         return
-    require_redis()
-    instance = RedisBackend(REDIS_URL, key_prefix=key_prefix, lease_ttl=2.0)
+    if request.param == "redis":
+        require_redis()
+        target: RedisTarget | str = REDIS_URL
+    elif request.param == "sentinel":
+        target = sentinel_target(request.getfixturevalue("sentinel_topology"))
+    else:
+        target = cluster_target(request.getfixturevalue("cluster_topology"))
+    instance = RedisBackend(target, key_prefix=key_prefix, lease_ttl=2.0)
     await instance.start()
     yield instance
     await instance.close()

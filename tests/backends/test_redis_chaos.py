@@ -100,7 +100,7 @@ async def _restarts(private_redis, rng: random.Random, stop: asyncio.Event, log:
 def _left_in_redis(url: str) -> dict[str, int]:
     client = redis.Redis.from_url(url)
     try:
-        return {part: client.zcard(f"{PREFIX}:p:{part}") for part in ("leases", "cooling", "waiters")}
+        return {part: client.zcard(f"{{{PREFIX}:p}}:{part}") for part in ("leases", "cooling", "waiters")}
     finally:
         client.close()
 

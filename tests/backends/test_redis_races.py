@@ -71,32 +71,32 @@ async def test_renew_during_an_enqueue_in_flight_neither_duplicates_nor_leaks(on
     await asyncio.sleep(0.2)
     backend._scripts["ENQUEUE"] = real
     if held is not None:
-        assert client.zcard(f"{key_prefix}:p:waiters") == 1
+        assert client.zcard(f"{{{key_prefix}:p}}:waiters") == 1
         held.release()
     lease = await asyncio.wait_for(waiting, 5)
     await backend.flush()
-    assert client.zcard(f"{key_prefix}:p:leases") == 1, "exactly one lease: the waiter's own"
-    assert client.zcard(f"{key_prefix}:p:waiters") == 0
+    assert client.zcard(f"{{{key_prefix}:p}}:leases") == 1, "exactly one lease: the waiter's own"
+    assert client.zcard(f"{{{key_prefix}:p}}:waiters") == 0
     lease.release()
     await backend.flush()
     third = await asyncio.wait_for(backend.acquire("p", prio()), 5)
     third.release()
     await backend.flush()
-    assert client.zcard(f"{key_prefix}:p:leases") == 0
+    assert client.zcard(f"{{{key_prefix}:p}}:leases") == 0
     assert backend.healthy
 
 
 async def test_an_orphan_queue_entry_is_dropped_not_fatal(one_slot, key_prefix) -> None:
     backend, client = one_slot
     held = await backend.acquire("p", prio())
-    client.zadd(f"{key_prefix}:p:waiters", {"000000000000000000000000001:ghost": 0})
+    client.zadd(f"{{{key_prefix}:p}}:waiters", {"000000000000000000000000001:ghost": 0})
     waiting = asyncio.create_task(backend.acquire("p", prio()))
     await asyncio.sleep(0.1)
     held.release()
     (await asyncio.wait_for(waiting, 5)).release()
     await backend.flush()
     assert backend.healthy
-    assert client.zcard(f"{key_prefix}:p:waiters") == 0
+    assert client.zcard(f"{{{key_prefix}:p}}:waiters") == 0
 
 
 
@@ -107,10 +107,10 @@ async def test_a_grant_picked_up_for_a_waiter_that_left_is_handed_back(one_slot,
     gone = _Waiter(f"{backend.replica}-gone", asyncio.get_running_loop().create_future(), "p", prio(), 0.0)
     result = await backend._enqueue(f"{backend.replica}-gone", gone, LimiterSettings(limit=1))
     assert int(result[0]) == 1, "granted at once: the slot was free"
-    assert client.zcard(f"{key_prefix}:p:leases") == 1
+    assert client.zcard(f"{{{key_prefix}:p}}:leases") == 1
     backend._resolve(f"{backend.replica}-gone", result[1].decode(), picked_up_for="p")
     await backend.flush()
-    assert client.zcard(f"{key_prefix}:p:leases") == 0
+    assert client.zcard(f"{{{key_prefix}:p}}:leases") == 0
 
 
 async def test_the_slot_a_waiter_holds_is_not_released_when_its_grant_is_picked_up_again(one_slot,
@@ -121,10 +121,10 @@ async def test_the_slot_a_waiter_holds_is_not_released_when_its_grant_is_picked_
     lease = await backend.acquire("p", prio())
     backend._resolve(lease.waiter_id, f"{lease.lease_id} 0", picked_up_for="p")
     await backend.flush()
-    assert client.zcard(f"{key_prefix}:p:leases") == 1
+    assert client.zcard(f"{{{key_prefix}:p}}:leases") == 1
     lease.release()
     await backend.flush()
-    assert client.zcard(f"{key_prefix}:p:leases") == 0
+    assert client.zcard(f"{{{key_prefix}:p}}:leases") == 0
 
 
 async def test_pooled_connections_survive_a_redis_restart(private_redis) -> None:
@@ -132,6 +132,7 @@ async def test_pooled_connections_survive_a_redis_restart(private_redis) -> None
     async with serving(private_redis.url, "restart", 4, lease_ttl=30, on_backend_error="local",
                        local_limit=1) as backend:
         leases = await asyncio.gather(*(backend.acquire("p", prio()) for _ in range(4)))
+        await asyncio.gather(*(backend._redis.ping() for _ in range(4)))  # plain commands at once: several pooled
         pooled = len(backend._redis.connection_pool._available_connections)
         assert pooled >= 2, "several pooled connections, all of them about to go stale"
         for lease in leases:

@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.backends.redis import RedisBackend
-from proxy.backends.redis.client import _POOL_SIZE
+from proxy.backends.redis.client import POOL_SIZE
 from proxy.limiter import LimiterSettings, Priority
 
 from .conftest import REDIS_URL, require_redis
@@ -60,12 +60,12 @@ async def test_ten_thousand_waiters_on_two_replicas_are_served_in_order(key_pref
                 break
         assert replicas[0].provider_status("p").queued == WAITERS
         assert all(replica.healthy for replica in replicas), [r.error for r in replicas]
-        assert 0 < most <= _POOL_SIZE
+        assert 0 < most <= POOL_SIZE
         holder.release()
         await asyncio.wait_for(asyncio.gather(*tasks), 240)
         assert served == sorted(ranks), "granted out of priority order"
         assert all(replica.healthy for replica in replicas), [r.error for r in replicas]
-        assert max([await connections_of(probe, replica) for replica in replicas]) <= _POOL_SIZE
+        assert max([await connections_of(probe, replica) for replica in replicas]) <= POOL_SIZE
     finally:
         for replica in replicas:
             await replica.close()

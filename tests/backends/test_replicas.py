@@ -90,7 +90,7 @@ async def wait_for(predicate, timeout: float = 10.0, what: str = "condition") ->
 def leases_in_redis(prefix: str, url: str = REDIS_URL) -> int:
     client = redis.Redis.from_url(url)
     try:
-        return client.zcard(f"{prefix}:openai:leases") + client.zcard(f"{prefix}:openai:cooling")
+        return client.zcard(f"{{{prefix}:openai}}:leases") + client.zcard(f"{{{prefix}:openai}}:cooling")
     finally:
         client.close()
 

@@ -11,7 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from proxy.backends.redis.client import ScriptBatch, _reconnect_once, packing_in_c
+from proxy.backends.redis.client import ScriptBatch, packing_in_c, reconnect_once
 
 from .conftest import REDIS_URL, require_redis
 
@@ -28,7 +28,7 @@ SCRIPTS = {
 async def redis_client() -> AsyncIterator[aioredis.Redis]:
     require_redis()
     name = f"slotproxy-batch-test-{uuid.uuid4().hex[:8]}"
-    pool = aioredis.BlockingConnectionPool.from_url(REDIS_URL, retry=_reconnect_once(), client_name=name)
+    pool = aioredis.BlockingConnectionPool.from_url(REDIS_URL, retry=reconnect_once(), client_name=name)
     pool.connection_class = packing_in_c(pool.connection_class)
     client = aioredis.Redis(connection_pool=pool)
     yield client

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -35,12 +37,18 @@ from ...ledger.report import UsageQuery
 from ...ledger.store import LedgerRow
 from ...limiter import Budget, Clock, LimiterSettings, ProviderStatus, policy
 from ...limiter.watchdog import SlotWatchdog
-from .client import text
+from .client import SCRIPTS, text
 from .fleet import RedisFleetUsage
 from .leases import SlotKeeper
+from .link import RedisTarget, open_link
 from .status import limit_arg, status_from, unread_status
 
 __all__ = ["RedisBackend"]
+
+log = logging.getLogger("slotproxy.redis")
+
+_HEALTH_EVERY = 0.5
+_HEALTH_TIMEOUT = 1.0
 
 
 class RedisBackend(SlotKeeper):
@@ -49,7 +57,7 @@ class RedisBackend(SlotKeeper):
 
     def __init__(
         self,
-        url: str,
+        target: RedisTarget | str,
         *,
         key_prefix: str = "slotproxy",
         lease_ttl: float = 30.0,
@@ -58,12 +66,17 @@ class RedisBackend(SlotKeeper):
         clock: Clock | None = None,
         usage_retention: float = 30 * 86400.0,
     ) -> None:
-        super().__init__(url, key_prefix=key_prefix, lease_ttl=lease_ttl, mode=on_backend_error, clock=clock)
+        replica = uuid.uuid4().hex[:12]
+        super().__init__(open_link(target, replica, SCRIPTS), replica, key_prefix=key_prefix, lease_ttl=lease_ttl,
+                         mode=on_backend_error, clock=clock)
         self.on_change: Callable[[], None] | None = None
         self._local_limit = local_limit
-        self._starred: frozenset[str] = frozenset()
         self._snapshot: dict[str, ProviderStatus] = {}
-        self._fleet_usage = RedisFleetUsage(self._redis, self._batch, self._pending, key_prefix, usage_retention)
+        self._topology = "single" if isinstance(target, str) else target.topology
+        self._primary: str | None = None
+        self.failovers = 0
+        self.last_failover_at: int | None = None
+        self._fleet_usage = RedisFleetUsage(self._link, self._pending, key_prefix, usage_retention)
 
     # ----- lifecycle -------------------------------------------------------------
 
@@ -72,10 +85,12 @@ class RedisBackend(SlotKeeper):
         self._spawn(self._listen(), keep=True)
         self._spawn(self._renew_loop(), keep=True)
         self._spawn(self._usage_loop(), keep=True)
+        self._spawn(self._watch_health(), keep=True)
         if self._mode == "fail_closed":
             self._spawn(self._expiry_loop(), keep=True)
         try:
-            await self._redis.ping()
+            await self._link.start()
+            await self._link.ping()
             await self.flush()
             await self.refresh()
         except RedisError as exc:
@@ -90,8 +105,7 @@ class RedisBackend(SlotKeeper):
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._batch.close()
-        await self._redis.aclose(close_connection_pool=True)
+        await self._link.close()
 
     # ----- config ----------------------------------------------------------------
 
@@ -220,18 +234,10 @@ class RedisBackend(SlotKeeper):
         self._spawn(self._push_stars(self._starred))
 
     async def _push_stars(self, starred: frozenset[str]) -> None:
-        key = f"{self._prefix}:stars"
-        try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(key)
-                if starred:
-                    pipe.sadd(key, *sorted(starred))
-                await pipe.execute()
-        except RedisError as exc:
-            self._mark_unhealthy(exc)
-            return
+        """Each provider keeps its own copy of the starred set, under its hash tag (a script reads only its own
+        provider's keys: in a Redis Cluster they are on one node)."""
         for provider in list(self._settings):
-            await self._guarded("RESTAR", provider, self._lease_ttl_ms, self._channel)
+            await self._guarded("RESTAR", provider, self._lease_ttl_ms, self._channel, *sorted(starred))
 
     def starred(self) -> frozenset[str]:
         return self._starred
@@ -278,9 +284,40 @@ class RedisBackend(SlotKeeper):
         return sum(1 for lease in self._leases.values() if lease.provider == provider)
 
     def backend_status(self) -> dict[str, Any]:
-        return {"kind": "redis", "healthy": self.healthy, "mode": self._mode, "error": self.error,
-                "replica": self.replica,
+        return {"kind": "redis", "topology": self._topology, "healthy": self.healthy, "mode": self._mode,
+                "error": self.error, "primary": self._primary, "failovers": self.failovers,
+                "last_failover_at": self.last_failover_at, "replica": self.replica,
                 "degraded": None if self.healthy else ("local" if self._mode == "local" else "fail_closed")}
+
+    # ----- health and failovers ----------------------------------------------------
+
+    async def _watch_health(self) -> None:
+        """Ping Redis twice a second whether or not a request touches it, so ``healthy`` and ``/readyz`` follow
+        it within a second or so; and notice when the primary changed (a failover)."""
+        while not self._closed:
+            await asyncio.sleep(_HEALTH_EVERY)
+            try:
+                await asyncio.wait_for(self._link.ping(), _HEALTH_TIMEOUT)
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._mark_unhealthy(exc if not isinstance(exc, TimeoutError) else
+                                     RedisError(f"no answer to a ping within {_HEALTH_TIMEOUT:g}s"))
+                continue
+            self._mark_healthy()
+            primary = await self._link.primary()
+            if primary is not None and primary != self._primary:
+                if self._primary is not None:
+                    self._failed_over(self._primary, primary)
+                self._primary = primary
+
+    def _failed_over(self, old: str, new: str) -> None:
+        """One line per failover; what Redis may have lost with the old primary is put back by the next
+        renew round (leases this replica still holds, waiters it still has) and the settings by CONFIGURE."""
+        self.failovers += 1
+        self.last_failover_at = int(time.time() * 1000)
+        log.warning("redis primary changed from %s to %s (failover %d): putting back %d held slot(s) and %d "
+                    "waiter(s)", old, new, self.failovers, len(self._leases), len(self._waiters))
+        self._rejoin()
+        self._spawn(self._renew_once())
 
     def export_state(self) -> dict[str, dict[str, object]]:
         return {}

@@ -9,10 +9,9 @@ import asyncio
 import functools
 import hashlib
 import logging
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
@@ -24,11 +23,32 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from . import lua
 
-__all__ = ["ScriptBatch", "ScriptClient", "connect", "packing_in_c", "text"]
+SCRIPTS: dict[str, str] = {name: getattr(lua, name) for name in lua.__all__}
+
+
+class Wire(Protocol):
+    """What the scripts need of the way to Redis (``link.Link``: one server, Sentinel or a Cluster)."""
+
+    redis: Any
+
+    def batch_for(self, key: str) -> ScriptBatch: ...
+
+    async def start(self) -> None: ...
+
+    async def refresh(self) -> None: ...
+
+    async def ping(self) -> None: ...
+
+    async def primary(self) -> str | None: ...
+
+    async def close(self) -> None: ...
+
+__all__ = ["POOL_SIZE", "SCRIPTS", "ScriptBatch", "ScriptClient", "Wire", "connect", "packing_in_c", "reconnect_once",
+           "text"]
 
 log = logging.getLogger("slotproxy.redis")
 
-_POOL_SIZE = 32
+POOL_SIZE = 32
 """Redis connections one replica opens at most: the script batches' own, and a pool of the rest (one of them
 the grant listener's) where callers beyond it wait their turn, so a deep queue never turns into connection
 errors."""
@@ -69,7 +89,7 @@ def packing_in_c(base: type[AbstractConnection]) -> type[AbstractConnection]:
     return packing
 
 
-def _reconnect_once() -> Retry:
+def reconnect_once() -> Retry:
     """After Redis restarts, every pooled connection is dead: each one's first command fails
     with a ConnectionError before the new server ever saw it. One immediate retry on a fresh
     connection makes that invisible. Should a reply be lost after the script ran, running it again
@@ -78,12 +98,12 @@ def _reconnect_once() -> Retry:
     return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
 
 
-def connect(url: str, replica: str) -> aioredis.Redis:
-    """A client on a pool of at most ``_POOL_SIZE`` - 1 connections (the script batches have their own), which
+def connect(url: str, replica: str, **options: Any) -> aioredis.Redis:
+    """A client on a pool of at most ``POOL_SIZE`` - 1 connections (the script batches have their own), which
     callers beyond it wait for; each connection named ``slotproxy-<replica>`` and packing with hiredis."""
     pool = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=_POOL_SIZE - 1, timeout=None, socket_timeout=2, socket_connect_timeout=2,
-        retry=_reconnect_once(), client_name=f"slotproxy-{replica}")
+        url, max_connections=POOL_SIZE - 1, timeout=None, socket_timeout=2, socket_connect_timeout=2,
+        retry=reconnect_once(), client_name=f"slotproxy-{replica}", **options)
     pool.connection_class = packing_in_c(pool.connection_class)
     return aioredis.Redis(connection_pool=pool)
 
@@ -172,7 +192,11 @@ class ScriptBatch:
 
 async def _round_trip(connection: AbstractConnection, commands: list[tuple[Any, ...]]) -> list[Any]:
     """Send the commands in one write and read their replies in order; an error reply is its command's
-    result. Any other failure leaves the connection closed by redis-py, with nothing left unread."""
+    result. Any other failure leaves the connection closed by redis-py, with nothing left unread. A closed
+    connection is opened by its own ``connect`` first: a Sentinel-managed one asks the sentinels for the
+    primary there (the send's own reconnect would go to the address it was built with)."""
+    if not connection.is_connected:
+        await connection.connect()
     await connection.send_packed_command(connection.pack_commands(commands), check_health=False)
     results: list[Any] = []
     for _ in commands:
@@ -188,15 +212,16 @@ class ScriptClient(ABC):
     ``_spawn``; ``flush`` waits for them), each keeping ``healthy`` up to date. A Redis that answers again
     after failing is handed to ``_rejoin``."""
 
-    def __init__(self, url: str, *, key_prefix: str, mode: str) -> None:
-        self.replica = uuid.uuid4().hex[:12]
+    def __init__(self, link: Wire, replica: str, *, key_prefix: str, mode: str) -> None:
+        self.replica = replica
         self._prefix = key_prefix
         self._mode = mode
         self._channel = f"{key_prefix}:grant:"
-        self._redis: aioredis.Redis = connect(url, self.replica)
-        self._batch = ScriptBatch(self._redis, {name: getattr(lua, name) for name in lua.__all__})
+        self._link = link
+        self._redis: Any = link.redis
         self._scripts: dict[str, Callable[..., Awaitable[Any]]] = {
-            name: functools.partial(self._batch.call, name) for name in lua.__all__}
+            name: functools.partial(self._call, name) for name in SCRIPTS}
+        """Each script as awaited: through the batch of the node its keys are on."""
         self._key_cache: dict[str, list[str]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending: set[asyncio.Future[Any]] = set()
@@ -221,9 +246,11 @@ class ScriptClient(ABC):
             await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     def _keys(self, provider: str) -> list[str]:
-        base = f"{self._prefix}:{provider}:"
-        return [base + part for part in ("cfg", "leases", "cooling", "waiters", "winfo", "whb", "granted", "seq")] + [
-            f"{self._prefix}:stars"]
+        """Every key of one provider under one hash tag (``{prefix:provider}``): in a Redis Cluster its
+        scripts run on the one node that holds that slot, and different providers spread over the nodes."""
+        base = f"{{{self._prefix}:{provider}}}:"
+        return [base + part for part in ("cfg", "leases", "cooling", "waiters", "winfo", "whb", "granted", "seq",
+                                         "stars")]
 
     def _keys_of(self, provider: str) -> list[str]:
         keys = self._key_cache.get(provider)
@@ -232,9 +259,19 @@ class ScriptClient(ABC):
         return keys
 
     async def _run(self, name: str, provider: str, *args: Any) -> Any:
+        keys = self._keys_of(provider)
         try:
-            result = await self._scripts[name](keys=self._keys_of(provider), args=args)
-        except ResponseError:
+            try:
+                result = await self._scripts[name](keys=keys, args=args)
+            except ResponseError as exc:
+                if not moved(exc):
+                    raise
+                await self._link.refresh()  # a Cluster's slots moved (a failover): ask again, once
+                result = await self._scripts[name](keys=keys, args=args)
+        except ResponseError as exc:
+            if moved(exc):
+                self._mark_unhealthy(exc)
+                raise RedisError(str(exc)) from exc
             log.exception("redis script %s failed for provider=%s", name, provider)
             raise
         except RedisError as exc:
@@ -243,11 +280,15 @@ class ScriptClient(ABC):
         self._mark_healthy()
         return result
 
+    def _call(self, name: str, *, keys: list[str], args: tuple[Any, ...]) -> asyncio.Future[Any]:
+        return self._link.batch_for(keys[0]).call(name, keys=keys, args=args)
+
     def _mark_unhealthy(self, exc: BaseException) -> None:
+        words = str(exc) or type(exc).__name__
         if self.healthy:
-            log.error("redis backend unreachable (%s: %s); mode %s", type(exc).__name__, exc, self._mode)
+            log.error("redis backend unreachable (%s); on_backend_error: %s", words, self._mode)
         self.healthy = False
-        self.error = f"{type(exc).__name__}: {exc}"
+        self.error = words
 
     def _mark_healthy(self) -> None:
         if not self.healthy:
@@ -267,7 +308,8 @@ class ScriptClient(ABC):
         """A write nobody waits for (a release, a backoff, a budget): it joins this loop turn's batch at
         once, with no task of its own, so it reaches Redis before any call made after it (a retry's
         ENQUEUE never overtakes the BACKOFF its 429 caused). ``flush()`` waits for it."""
-        answer = self._batch.call(name, keys=self._keys_of(provider), args=args)
+        keys = self._keys_of(provider)
+        answer = self._link.batch_for(keys[0]).call(name, keys=keys, args=args)
         self._pending.add(answer)
         answer.add_done_callback(functools.partial(self._answered, name, provider, on_answer))
 
@@ -278,7 +320,10 @@ class ScriptClient(ABC):
         if answer.cancelled():
             return
         error = answer.exception()
-        if isinstance(error, ResponseError):
+        if isinstance(error, ResponseError) and moved(error):
+            self._mark_unhealthy(error)
+            self._spawn(self._link.refresh())
+        elif isinstance(error, ResponseError):
             log.error("redis script %s failed for provider=%s: %s", name, provider, error)
         elif isinstance(error, RedisError):
             self._mark_unhealthy(error)
@@ -286,6 +331,14 @@ class ScriptClient(ABC):
             self._mark_healthy()
             if on_answer is not None:
                 on_answer(answer.result())
+
+
+_MOVED = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
+
+
+def moved(error: ResponseError) -> bool:
+    """A Cluster's answer that the slot is elsewhere or its node is down: not a script's error."""
+    return str(error).startswith(_MOVED)
 
 
 def text(value: Any) -> str:

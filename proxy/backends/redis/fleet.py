@@ -8,13 +8,11 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from ...ledger.fleet import FleetUsage
 from ...ledger.report import UsageQuery
 from ...ledger.store import LedgerRow
 from ...logs import ThrottledLog
-from .client import ScriptBatch, text
+from .client import Wire, text
 
 __all__ = ["RedisFleetUsage"]
 
@@ -25,10 +23,8 @@ class RedisFleetUsage:
     """The fleet's aggregates as one replica adds to them and reads them: its writes join the script
     batch and ``pending`` (what the backend's ``flush()`` waits for)."""
 
-    def __init__(self, redis: aioredis.Redis, batch: ScriptBatch, pending: set[asyncio.Future[Any]],
-                 key_prefix: str, retention: float) -> None:
-        self._redis = redis
-        self._batch = batch
+    def __init__(self, link: Wire, pending: set[asyncio.Future[Any]], key_prefix: str, retention: float) -> None:
+        self._link = link
         self._pending = pending
         self._sums = FleetUsage(key_prefix, retention)
         self._lost = ThrottledLog(log, logging.WARNING, "the fleet's usage aggregates could not be written to "
@@ -40,7 +36,7 @@ class RedisFleetUsage:
     def send(self) -> None:
         """This replica's requests since the last write, added to the fleet's hourly aggregates."""
         for key, args in self._sums.take():
-            answer = self._batch.call("USAGE_ADD", keys=[key], args=tuple(args))
+            answer = self._link.batch_for(key).call("USAGE_ADD", keys=[key], args=tuple(args))
             self._pending.add(answer)
             answer.add_done_callback(self._written)
 
@@ -53,7 +49,7 @@ class RedisFleetUsage:
     async def read(self, query: UsageQuery, providers: Iterable[str]) -> dict[str, object]:
         """The fleet's answer to ``query``, from the hours' aggregates (written up to the last ``send``)."""
         wanted = self._sums.keys(query, providers)
-        pipeline = self._redis.pipeline(transaction=False)
+        pipeline = self._link.redis.pipeline(transaction=False)
         for key, _, _ in wanted:
             pipeline.hgetall(key)
         hashes = await pipeline.execute() if wanted else []

@@ -21,7 +21,7 @@ from ...limiter import Clock, LimiterSettings, LoopClock, Priority, SlotLease, p
 from ...limiter.deadlines import Deadlines
 from ...limiter.watchdog import SlotWatchdog
 from ..memory import MemoryBackend
-from .client import ScriptClient, text
+from .client import ScriptClient, Wire, text
 from .status import limit_arg
 
 __all__ = ["RedisLease", "SlotKeeper"]
@@ -134,14 +134,17 @@ class SlotKeeper(ScriptClient):
     provider; while Redis is down, ``on_backend_error`` decides (``fail_closed``: wait; ``local``: this
     replica's own memory limiter, ``_local``)."""
 
-    def __init__(self, url: str, *, key_prefix: str, lease_ttl: float, mode: str, clock: Clock | None) -> None:
-        super().__init__(url, key_prefix=key_prefix, mode=mode)
+    def __init__(self, link: Wire, replica: str, *, key_prefix: str, lease_ttl: float, mode: str,
+                 clock: Clock | None) -> None:
+        super().__init__(link, replica, key_prefix=key_prefix, mode=mode)
         self.clock: Clock = clock or LoopClock()
         self._lease_ttl_ms = int(lease_ttl * 1000)
         self._waiter_ttl_ms = max(3000, self._lease_ttl_ms)
         self._renew_every = max(0.05, min(lease_ttl / 3, 1.0))
         self._settings: dict[str, LimiterSettings] = {}
         self._configured: set[str] = set()
+        self._starred: frozenset[str] = frozenset()
+        """The workspaces starred now (each provider's keys hold a copy the scripts read)."""
         self._waiters: dict[str, _Waiter] = {}
         self._leases: dict[str, RedisLease] = {}
         self._ids = itertools.count()
@@ -173,6 +176,7 @@ class SlotKeeper(ScriptClient):
                                    recovery_ms, self._lease_ttl_ms, self._channel, settle_ms, _layout(settings))
         if done is not None:
             self._configured.add(provider)
+            await self._guarded("RESTAR", provider, self._lease_ttl_ms, self._channel, *sorted(self._starred))
 
     async def _other_replicas_listening(self) -> bool:
         try:
@@ -431,9 +435,12 @@ class SlotKeeper(ScriptClient):
             waiters = [wid for wid, w in self._waiters.items()
                        if w.provider == provider and w.in_redis and w.queued]
             sent_at = asyncio.get_running_loop().time()
+            fresh_since = sent_at - 0.9 * self._lease_ttl_ms / 1000
             result = await self._run("RENEW", provider, self._lease_ttl_ms, self._waiter_ttl_ms, self._channel,
                                      len(leases), *(lease.lease_id for lease in leases),
-                                     *(lease.granted_at_ms for lease in leases), *waiters)
+                                     *(lease.granted_at_ms for lease in leases),
+                                     *("1" if lease.renewed_at > fresh_since else "0" for lease in leases),
+                                     *waiters)
             missing, grants, lost, next_at, configured = result
             for lease in leases:
                 lease.renewed_at = sent_at

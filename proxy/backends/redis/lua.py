@@ -146,11 +146,14 @@ return pause_end(now) .. ' ' .. now
 """
 
 RENEW = PRELUDE + r"""
--- ARGV: lease_ttl, waiter_ttl, channel, n_leases, lease ids..., their grant times (ms)..., waiter ids...
+-- ARGV: lease_ttl, waiter_ttl, channel, n_leases, lease ids..., their grant times (ms)..., whether each is fresh
+--       ('1': renewed within its lease_ttl by the replica's own clock, so it cannot have expired here)...,
+--       waiter ids...
 -- Returns {missing leases, grants found for our waiters ("id lease at key"), waiters lost, next event,
 --          1 if the provider is configured here (0: Redis lost its data; run CONFIGURE)}.
--- A lease granted before this Redis's data was created was lost with it, not expired: it is put back
--- (at the provider's level; its key and model levels were lost with the data).
+-- A lease granted before this Redis's data was created was lost with it, not expired; so was a fresh lease
+-- this Redis does not know (a failover to a replica that had not received it yet): both are put back
+-- (at the provider's level; their key and model levels were lost with them).
 local now = now_ms()
 cleanup(now)
 local lease_ttl, waiter_ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -166,13 +169,13 @@ for i = 5, 4 + n do
         redis.call('ZADD', level_hash(lid) .. ':leases', 'XX', now + lease_ttl, ARGV[i])
       end
     end
-  elseif created == nil or tonumber(ARGV[i + n]) < created then
+  elseif created == nil or tonumber(ARGV[i + n]) < created or ARGV[i + 2 * n] == '1' then
     redis.call('ZADD', KEYS[2], now + lease_ttl, ARGV[i])
   else
     table.insert(missing, ARGV[i])
   end
 end
-for i = 5 + 2 * n, #ARGV do
+for i = 5 + 3 * n, #ARGV do
   local id = ARGV[i]
   if redis.call('HEXISTS', KEYS[5], id) == 1 then
     redis.call('ZADD', KEYS[6], 'XX', now + waiter_ttl, id)
@@ -304,8 +307,11 @@ return 1
 """
 
 RESTAR = PRELUDE + r"""
--- ARGV: lease_ttl, channel. Re-key every waiter against the current starred set (KEYS[9]).
+-- ARGV: lease_ttl, channel, the starred workspaces... Keep them as the provider's starred set (KEYS[9], under
+-- the provider's hash tag, so ENQUEUE reads it on the provider's node) and re-key every waiter against it.
 local now = now_ms()
+redis.call('DEL', KEYS[9])
+for i = 3, #ARGV do redis.call('SADD', KEYS[9], ARGV[i]) end
 local all = redis.call('HGETALL', KEYS[5])
 for i = 1, #all, 2 do
   local id, info = all[i], cjson.decode(all[i + 1])
