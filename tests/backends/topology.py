@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,6 +40,25 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _cluster_ports(count: int) -> list[int]:
+    """Ports for cluster nodes: each node also listens on its port + 10 000 (the cluster bus), so both must be
+    free, and below 65 536."""
+    found: list[int] = []
+    rng = random.Random()
+    while len(found) < count:
+        port = rng.randrange(20_000, 45_000)
+        if port in found:
+            continue
+        try:
+            for candidate in (port, port + 10_000):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", candidate))
+        except OSError:
+            continue
+        found.append(port)
+    return found
 
 
 def _binary() -> str:
@@ -193,7 +213,7 @@ class ClusterTopology:
     @classmethod
     def start(cls) -> ClusterTopology:
         folder = Path(tempfile.mkdtemp(prefix="slotproxy-cluster-"))
-        ports = free_ports(3)
+        ports = _cluster_ports(3)
         nodes = [RedisProcess(port, folder / f"node-{port}", _data_config(
             port, "cluster-enabled yes\ncluster-config-file nodes.conf\ncluster-node-timeout 2000\n"))
             for port in ports]

@@ -455,3 +455,28 @@ def test_schema_accepts_the_example_and_rejects_mistakes() -> None:
     assert not _matches(schema, {"providers": {"metrics": {"upstream": "http://x"}}}, schema)
     assert not _matches(schema, {"providers": {"p": {}}}, schema)
     assert not _matches(schema, {"defaults": {"slot_timeout": "5 minutes"}}, schema)
+
+
+@pytest.mark.parametrize(("backend", "message"), [
+    ({"kind": "redis", "url": "redis://r:6379", "sentinels": ["s:26379"], "service": "m"},
+     "set exactly one of url, sentinels and cluster, not url and sentinels"),
+    ({"kind": "redis", "sentinels": ["s:26379"], "cluster": ["r:7000"], "service": "m"},
+     "set exactly one of url, sentinels and cluster, not sentinels and cluster"),
+    ({"kind": "redis", "sentinels": ["s:26379"]}, "sentinels needs service"),
+    ({"kind": "redis", "service": "m"}, "service is the Sentinel service name: it needs sentinels"),
+    ({"kind": "redis", "cluster": ["no-port"]}, "must be host:port"),
+    ({"kind": "redis", "cluster": ["r:7000"], "tls": {"cert_file": "c.pem"}}, "cert_file and key_file go together"),
+])
+def test_one_way_to_reach_redis(backend: dict[str, object], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Config.model_validate({"backend": backend})
+
+
+def test_sentinel_and_cluster_configs_are_read_and_their_password_names_a_variable() -> None:
+    sentinel = Config.model_validate({"backend": {"kind": "redis", "sentinels": ["s1:26379", "s2:26379"],
+                                                  "service": "mymaster", "password_env": "REDIS_PASSWORD"}}).backend
+    assert (sentinel.topology, sentinel.sentinels, sentinel.service) == ("sentinel", ("s1:26379", "s2:26379"),
+                                                                        "mymaster")
+    cluster = Config.model_validate({"backend": {"kind": "redis", "cluster": ["[::1]:7000"]}}).backend
+    assert cluster.topology == "cluster"
+    assert Config.model_validate({}).backend.topology == "single"

@@ -9,6 +9,7 @@ import asyncio
 import functools
 import hashlib
 import logging
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
@@ -18,8 +19,15 @@ from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
+from redis.exceptions import (
+    AskError,
+    ClusterError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from . import lua
 
@@ -284,7 +292,7 @@ class ScriptClient(ABC):
         return self._link.batch_for(keys[0]).call(name, keys=keys, args=args)
 
     def _mark_unhealthy(self, exc: BaseException) -> None:
-        words = str(exc) or type(exc).__name__
+        words = in_words(exc)
         if self.healthy:
             log.error("redis backend unreachable (%s); on_backend_error: %s", words, self._mode)
         self.healthy = False
@@ -338,7 +346,28 @@ _MOVED = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN")
 
 def moved(error: ResponseError) -> bool:
     """A Cluster's answer that the slot is elsewhere or its node is down: not a script's error."""
-    return str(error).startswith(_MOVED)
+    return isinstance(error, (ClusterError, AskError, TryAgainError)) or str(error).startswith(_MOVED)
+
+
+_CONNECTING = re.compile(r"Error (-?\d+) connecting to ([^ ]+?)\.? ")
+_ERRNO_WORDS = {"111": "connection refused", "-2": "name not known", "-3": "name not resolved now",
+                "113": "no route to host", "110": "timed out"}
+
+
+def in_words(error: BaseException) -> str:
+    """A Redis client error as a sentence with the address, not redis-py's wording or a class name."""
+    message = str(error)
+    connecting = _CONNECTING.match(message + " ")
+    if connecting is not None:
+        errno, address = connecting.groups()
+        return f"could not connect to {address} ({_ERRNO_WORDS.get(errno, 'error ' + errno)})"
+    if isinstance(error, ClusterError):
+        return f"the Redis Cluster answered that it is down ({message})"
+    if isinstance(error, TimeoutError) or "Timeout" in type(error).__name__:
+        return f"Redis did not answer in time ({message})" if message else "Redis did not answer in time"
+    if "Connection closed by server" in message:
+        return "the Redis server closed the connection"
+    return message or type(error).__name__
 
 
 def text(value: Any) -> str:

@@ -1,0 +1,200 @@
+"""Redis as platforms give it: a primary failed over by Sentinel under load, a Cluster's slots, health that
+follows Redis with no request touching it, and the status fields that show it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from typing import Any
+
+import aiohttp
+import redis
+from redis.cluster import key_slot
+
+from proxy.backends.redis import RedisBackend
+from proxy.limiter import LimiterSettings, Priority
+
+from ..conftest import Proxy, chat
+from .conftest import cluster_target, sentinel_target
+from .topology import SERVICE, ClusterTopology, SentinelTopology
+
+LIMIT = 3
+STREAMS = 40
+
+
+def sentinel_yaml(topology: SentinelTopology, prefix: str, upstream: str, **extra: Any) -> str:
+    sentinels = ", ".join(f"'127.0.0.1:{s.port}'" for s in topology.sentinels)
+    more = "".join(f", {key}: {value}" for key, value in extra.items())
+    return (f"state: {{path: null}}\nbackend: {{kind: redis, sentinels: [{sentinels}], service: {SERVICE}, "
+            f"key_prefix: {prefix}, lease_ttl: 3s{more}}}\n"
+            f"providers:\n  openai:\n    upstream: {upstream}/v1\n    limit: {LIMIT}\n    queue_timeout: 25s\n")
+
+
+async def stream(client: aiohttp.ClientSession, proxy: Proxy, tag: str) -> tuple[int, str]:
+    """A streamed request read to its end: the status, and the error code of a proxy-made answer."""
+    try:
+        async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(),
+                               headers={"x-fake-tag": tag, "x-fake-chunks": "10", "x-fake-delay-ms": "60"},
+                               timeout=aiohttp.ClientTimeout(total=60)) as resp:
+            body = await resp.read()
+            code = json.loads(body).get("error", {}).get("code", "") if resp.status != 200 else ""
+            return resp.status, code
+    except aiohttp.ClientError as exc:  # a stream the proxy had to cut: not an answer
+        return 0, type(exc).__name__
+
+
+async def backend_status(proxy: Proxy) -> dict[str, Any]:
+    return proxy.state.backend.backend_status()
+
+
+async def test_a_primary_killed_under_load_loses_no_request_and_leaks_no_slot(start_upstream, start_proxy,
+                                                                              client) -> None:
+    """Two replicas, 40 streams through limit 3; the primary is SIGKILLed mid-run and Sentinel fails over."""
+    topology = SentinelTopology.start()
+    try:
+        up = await start_upstream()
+        prefix = f"failover-{os.urandom(4).hex()}"
+        replicas = [await start_proxy(sentinel_yaml(topology, prefix, up.url)) for _ in range(2)]
+        old_primary = topology.current_primary()
+        runs = [asyncio.create_task(stream(client, replicas[n % 2], f"s{n}")) for n in range(STREAMS)]
+        await asyncio.sleep(1.0)
+        killed_at = time.monotonic()
+        topology.primary.kill()
+        new_primary = topology.wait_failover(old_primary)
+        failed_over_in = time.monotonic() - killed_at
+        results = await asyncio.gather(*runs)
+        statuses = sorted({(status, code) for status, code in results})
+        assert all(status == 200 or (status == 503 and code in ("queue_timeout", "backend_unavailable"))
+                   for status, code in results), statuses
+        print(f"\nfailover {old_primary} -> {new_primary} in {failed_over_in:.1f}s; answers {statuses}; "
+              f"upstream max concurrency {up.fake.max_concurrency} (limit {LIMIT}, bound {2 * LIMIT})")
+        assert up.fake.max_concurrency <= 2 * LIMIT
+        for replica in replicas:
+            assert replica.state.backend.local_in_flight("openai") == 0
+        primary = redis.Redis(host="127.0.0.1", port=int(new_primary.rpartition(":")[2]))
+        try:
+            assert primary.zcard(f"{{{prefix}:openai}}:leases") == 0
+            assert primary.zcard(f"{{{prefix}:openai}}:waiters") == 0
+        finally:
+            primary.close()
+        for replica in replicas:
+            deadline = time.monotonic() + 5
+            while (await backend_status(replica))["failovers"] < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            status = await backend_status(replica)
+            assert (status["failovers"], status["primary"], status["healthy"]) == (1, new_primary, True)
+            assert isinstance(status["last_failover_at"], int)
+    finally:
+        topology.stop()
+
+
+async def test_health_follows_redis_within_two_seconds_with_no_request(start_proxy, client, private_redis) -> None:
+    proxy = await start_proxy(f"state: {{path: null}}\nbackend: {{kind: redis, url: '{private_redis.url}', "
+                              "key_prefix: health, lease_ttl: 3s}\nproviders:\n"
+                              "  openai: {upstream: 'http://127.0.0.1:9/v1'}\n")
+
+    async def ready() -> int:
+        async with client.get(f"{proxy.url}/readyz") as resp:
+            return resp.status
+
+    assert await ready() == 200
+    private_redis.stop()
+    stopped = time.monotonic()
+    while await ready() != 503:
+        assert time.monotonic() - stopped < 2, "still ready 2 s after Redis died"
+        await asyncio.sleep(0.05)
+    status = await backend_status(proxy)
+    assert status["healthy"] is False and status["error"]
+    assert "Error" not in status["error"].split(" ")[0], status["error"]  # words, not a class name first
+    private_redis.start()
+    started = time.monotonic()
+    while await ready() != 200:
+        assert time.monotonic() - started < 2, "not ready 2 s after Redis came back"
+        await asyncio.sleep(0.05)
+
+
+async def test_status_names_the_primary_without_credentials(sentinel_topology) -> None:
+    backend = RedisBackend(sentinel_target(sentinel_topology), key_prefix=f"st-{os.urandom(4).hex()}", lease_ttl=2)
+    await backend.start()
+    try:
+        deadline = time.monotonic() + 3
+        while backend.backend_status()["primary"] is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        status = backend.backend_status()
+        assert status["topology"] == "sentinel"
+        assert status["primary"] == sentinel_topology.current_primary()
+        assert (status["failovers"], status["last_failover_at"]) == (0, None)
+    finally:
+        await backend.close()
+
+
+async def test_each_providers_keys_share_one_slot_and_providers_spread_over_the_nodes(cluster_topology) -> None:
+    prefix = "spread"
+    providers = ["openai", "anthropic"]
+    nodes = {cluster_topology.node_for_slot(key_slot(f"{{{prefix}:{name}}}".encode())).port for name in providers}
+    assert len(nodes) == 2, "this prefix puts the two providers on two nodes (the test relies on it)"
+    backend = RedisBackend(cluster_target(cluster_topology), key_prefix=prefix, lease_ttl=2)
+    await backend.start()
+    try:
+        backend.configure({name: LimiterSettings(limit=1) for name in providers}, frozenset({"web"}))
+        await backend.flush()
+        leases = [await asyncio.wait_for(backend.acquire(name, Priority(time.time())), 5) for name in providers]
+        for name in providers:
+            keys = backend._keys_of(name)
+            assert len({key_slot(key.encode()) for key in keys}) == 1, keys
+            node = cluster_topology.node_for_slot(key_slot(keys[0].encode()))
+            client = redis.Redis(port=node.port)
+            try:
+                assert client.zcard(f"{{{prefix}:{name}}}:leases") == 1
+                assert client.smembers(f"{{{prefix}:{name}}}:stars") == {b"web"}
+            finally:
+                client.close()
+        for lease in leases:
+            lease.release()
+        await backend.flush()
+    finally:
+        await backend.close()
+
+
+async def test_a_cluster_node_restarted_empty_is_survived() -> None:
+    topology = ClusterTopology.start()
+    backend = RedisBackend(cluster_target(topology), key_prefix="restart", lease_ttl=2)
+    try:
+        await backend.start()
+        backend.configure({"openai": LimiterSettings(limit=1)}, frozenset())
+        await backend.flush()
+        node = topology.node_for_slot(key_slot(b"{restart:openai}"))
+        held = await asyncio.wait_for(backend.acquire("openai", Priority(time.time())), 5)
+        node.kill()
+        node.start()  # empty: no persistence; it keeps its slots (nodes.conf) and rejoins
+        deadline = time.monotonic() + 15
+        while not backend.healthy or backend.backend_status()["error"]:
+            assert time.monotonic() < deadline, backend.backend_status()
+            await asyncio.sleep(0.1)
+        assert not held.reclaimed, "the slot held across the restart is put back, not taken from its holder"
+        held.release()
+        again = await asyncio.wait_for(backend.acquire("openai", Priority(time.time())), 10)
+        again.release()
+        await backend.flush()
+    finally:
+        await backend.close()
+        topology.stop()
+
+
+def test_the_config_becomes_a_target_with_the_passwords_from_their_variables() -> None:
+    from proxy.config import parse_config
+    from proxy.http.runtime import redis_target
+
+    backend = parse_config(
+        "backend: {kind: redis, sentinels: ['s1:26379', '[::1]:26380'], service: mymaster,\n"
+        "          password_env: SP_REDIS_PW, sentinel_password_env: SP_SENTINEL_PW, tls: {ca_file: ca.pem}}\n"
+        "providers: {p: {upstream: 'http://127.0.0.1:9'}}\n").backend
+    target = redis_target(backend, {"SP_REDIS_PW": "data-secret", "SP_SENTINEL_PW": "sentinel-secret"})
+    assert target.sentinels == (("s1", 26379), ("::1", 26380)) and target.service == "mymaster"
+    assert (target.password, target.sentinel_password) == ("data-secret", "sentinel-secret")
+    assert target.tls_options()["ssl_ca_certs"] == "ca.pem"
+    assert "secret" not in repr(target)
+    unset = redis_target(backend, {})
+    assert (unset.password, unset.sentinel_password) == (None, None)
