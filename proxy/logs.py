@@ -269,13 +269,21 @@ class _MaskingFormatter(logging.Formatter):
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object a line; a worker of ``serve --workers N`` adds ``"worker": N``."""
+
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
+
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, object] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": mask_secrets(record.getMessage()),
         }
+        if self.worker is not None:
+            entry["worker"] = self.worker
         if record.exc_info:
             entry["exc"] = mask_secrets(self.formatException(record.exc_info))
         return json.dumps(entry, ensure_ascii=False)
@@ -293,12 +301,15 @@ class QuietParserErrors(logging.Filter):
         return True
 
 
-def setup_logging(fmt: str = "text", level: str = "INFO") -> None:
+def setup_logging(fmt: str = "text", level: str = "INFO", *, worker: int | None = None) -> None:
+    """Log to stderr; a worker of ``serve --workers N`` says which it is on every line (``worker=2``, or
+    ``"worker": 2`` in JSON), as its lines share the parent's stderr."""
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
-        handler.setFormatter(JsonFormatter())
+        handler.setFormatter(JsonFormatter(worker))
     else:
-        handler.setFormatter(_MaskingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        tag = "" if worker is None else f"worker={worker} "
+        handler.setFormatter(_MaskingFormatter(f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

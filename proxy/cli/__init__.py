@@ -109,15 +109,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = _load(path)
     host = args.host or config.server.host
     port = config.server.port if args.port is None else args.port
+    if args.workers > 1 and config.backend.kind != "redis":
+        raise CliError(f"--workers {args.workers} needs backend.kind: redis (with the memory backend each worker "
+                       "would have limits of its own)")
     check_bind(config, host)
     check_backend_client(config)
+    if args.worker_of is not None:  # a worker of serve --workers: its parent probed the port and holds it
+        return _serve_as_worker(args, config, str(path), host, port)
     probe(host, port)  # a taken port is the one line printed, before start-up logs anything
 
     from ..logs import setup_logging
+
+    if args.workers > 1:
+        from ..server.run import serve_workers
+        from ..server.workers import reserve, reuse_port_missing
+
+        if reuse_port_missing():
+            raise CliError(f"--workers {args.workers} needs SO_REUSEPORT, which this system does not have (Linux "
+                           "has it); run one process, or several with a load balancer in front")
+        reservation = reserve(host, port)  # held while the parent runs: port 0 becomes one port for every worker
+        setup_logging(args.log_format, args.log_level)
+        return serve_workers(config, str(path), host, reservation, args.workers, log_format=args.log_format,
+                             log_level=args.log_level)
+
     from ..server.run import serve
 
     setup_logging(args.log_format, args.log_level)
     return serve(config, str(path), host, port)
+
+
+def _serve_as_worker(args: argparse.Namespace, config: Config, path: str, host: str, port: int) -> int:
+    from ..logs import setup_logging
+    from ..server.run import serve
+    from ..server.workers import WorkerLink
+
+    setup_logging(args.log_format, args.log_level, worker=args.worker_index)
+    return serve(config, path, host, port, worker=WorkerLink(args.worker_of, args.worker_index, args.worker_fd))
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -192,6 +219,19 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_WORKERS = 256
+
+
+def _worker_count(raw: str) -> int:
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 1 to {MAX_WORKERS}, got {raw!r}")
+    return count
+
+
 def _watch_interval(raw: str) -> float:
     try:
         seconds = float(raw)
@@ -226,6 +266,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="INFO", metavar="LEVEL", type=str.upper,
                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                        help="the least severe level logged: DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    serve.add_argument("--workers", type=_worker_count, default=1, metavar="N",
+                       help="run N processes that share the port (SO_REUSEPORT), each a replica of the Redis "
+                            "backend, supervised by this one: a worker that dies is started again, SIGTERM and "
+                            "SIGHUP reach every worker; needs backend.kind: redis (default: 1, one process)")
+    # Internal: how serve --workers starts each worker (its parent's pid, its number, its end of their socket pair).
+    serve.add_argument("--worker-of", type=int, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-index", type=int, default=1, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-fd", type=int, default=-1, help=argparse.SUPPRESS)
     serve.set_defaults(func=cmd_serve)
 
     check = commands.add_parser(

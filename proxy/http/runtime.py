@@ -22,10 +22,12 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from ..backends import Backend, MemoryBackend
 from ..config import Config, ProviderSettings, beside_config
+from ..config.model import Backend as BackendSettings
 from ..ledger.store import Ledger
 from ..limiter import KeySettings, LimiterSettings, ModelCap, SlotLease, policy
 from ..providers.concurrency_gate import GatePollers
@@ -39,7 +41,11 @@ from .metrics import Metrics
 from .state import StarOverrides, StateStore, StateWriter
 from .upstreams import Upstreams
 
-__all__ = ["OpenSocket", "OpenSockets", "ProxyState", "limiter_settings", "make_backend"]
+if TYPE_CHECKING:
+    from ..backends.redis import RedisTarget
+
+__all__ = ["OpenSocket", "OpenSockets", "ProxyState", "limiter_settings", "make_backend", "redis_target",
+           "worker_file"]
 
 log = logging.getLogger("slotproxy")
 
@@ -64,6 +70,11 @@ def limiter_settings(settings: ProviderSettings, environ: Mapping[str, str] | No
         max_share=max_share,
         budgets=settings.budgets,
     )
+
+
+def worker_file(path: Path, worker: int) -> Path:
+    """Worker N's own file beside ``path``: ``slotproxy-ledger.sqlite`` → ``slotproxy-ledger-w2.sqlite``."""
+    return path.with_name(f"{path.stem}-w{worker}{path.suffix}")
 
 
 class OpenSocket(Protocol):
@@ -104,8 +115,13 @@ class ProxyState:
     _warned: frozenset[str] = frozenset()
     """The config warnings in force at the last ``apply``: a reload logs only those that are new."""
 
-    def __init__(self, config: Config, *, config_path: str | None = None, backend: Backend | None = None) -> None:
+    def __init__(self, config: Config, *, config_path: str | None = None, backend: Backend | None = None,
+                 worker: int | None = None) -> None:
+        """``worker``: this process is worker N of ``serve --workers``. Its ledger is a file of its own
+        (:func:`worker_file`) and it keeps no state file: the workers share their state through Redis, and
+        a file several processes rewrite whole would keep only the last writer's view."""
         self.config_path = config_path
+        self.worker = worker
         self.config_error: str | None = None
         self.backend: Backend = backend or make_backend(config)
         self.open_sockets = OpenSockets()
@@ -115,10 +131,12 @@ class ProxyState:
         self.idle_watch = IdleWatch()
         """The idle_timeout deadlines of the upstream exchanges in flight."""
         self.stars = StarOverrides()
-        self.state_file = StateWriter(StateStore(beside_config(config.state.path, config_path)),
-                                      self._runtime_state)
-        self.ledger = Ledger(beside_config(config.ledger.path, config_path), config.ledger.retention,
-                             on_dropped=self.metrics.ledger_dropped.inc)
+        state_path = None if worker is not None else beside_config(config.state.path, config_path)
+        self.state_file = StateWriter(StateStore(state_path), self._runtime_state)
+        ledger_path = beside_config(config.ledger.path, config_path)
+        if ledger_path is not None and worker is not None:
+            ledger_path = worker_file(ledger_path, worker)
+        self.ledger = Ledger(ledger_path, config.ledger.retention, on_dropped=self.metrics.ledger_dropped.inc)
         self.pollers = GatePollers()
         self.listen_host = config.server.host
         self.connections = ConnectionGuard()
@@ -235,12 +253,33 @@ class ProxyState:
             self.metrics.count_tokens(row, model or "other")
 
 
+def redis_target(backend: BackendSettings, environ: Mapping[str, str] | None = None) -> RedisTarget:
+    """How to reach Redis, from the config's ``backend`` (passwords read from the variables it names)."""
+    from ..backends.redis import RedisTarget
+
+    environ = os.environ if environ is None else environ
+
+    def addresses(entries: tuple[str, ...] | None) -> tuple[tuple[str, int], ...]:
+        return tuple((host.strip("[]"), int(port)) for host, _, port in (entry.rpartition(":") for entry in entries or ()))
+
+    tls = backend.tls
+    return RedisTarget(
+        url=backend.url if backend.topology == "single" else None,
+        sentinels=addresses(backend.sentinels), service=backend.service, cluster=addresses(backend.cluster),
+        username=backend.username,
+        password=environ.get(backend.password_env) or None if backend.password_env else None,
+        sentinel_password=environ.get(backend.sentinel_password_env) or None if backend.sentinel_password_env else None,
+        tls=tls is not None or backend.url.startswith("rediss://"),
+        ca_file=tls.ca_file if tls else None, cert_file=tls.cert_file if tls else None,
+        key_file=tls.key_file if tls else None)
+
+
 def make_backend(config: Config) -> Backend:
     if config.backend.kind == "redis":
         from ..backends.redis import RedisBackend
 
         return RedisBackend(
-            config.backend.url,
+            redis_target(config.backend),
             key_prefix=config.backend.key_prefix,
             lease_ttl=config.backend.lease_ttl,
             on_backend_error=config.backend.on_backend_error,

@@ -159,8 +159,11 @@ def _build_app(state: ProxyState) -> web.Application:
     return app
 
 
-async def start_server(state: ProxyState, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Start serving; returns the runner and the bound port (port 0 picks a free one)."""
+async def start_server(state: ProxyState, host: str, port: int, *,
+                       reuse_port: bool = False) -> tuple[web.AppRunner, int]:
+    """Start serving; returns the runner and the bound port (port 0 picks a free one). ``reuse_port``: bind
+    with ``SO_REUSEPORT``, beside the other workers of ``serve --workers`` (the kernel spreads the
+    connections between them)."""
     await state.start()
     state.listen_on(host)
     runner = GuardedRunner(_build_app(state), state.connections, wrap=partial(guarded, state),
@@ -170,7 +173,7 @@ async def start_server(state: ProxyState, host: str, port: int) -> tuple[web.App
         # A fleet that starts together connects together: aiohttp's default backlog of 128 overflows at a
         # thousand agents a second (SYNs dropped, a second's retransmit each), so the queue is sized to the
         # connections the proxy takes (the kernel caps it at net.core.somaxconn).
-        site = web.TCPSite(runner, host, port, reuse_address=True,
+        site = web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None,
                            backlog=min(state.config.server.max_connections, _MAX_BACKLOG))
         await site.start()
     except BaseException:  # the port is taken, say: what start() opened (Redis connections) is closed

@@ -21,8 +21,9 @@ from ..http.heap import HeapKeeper, settle_heap
 from ..http.runtime import ProxyState
 from ..limiter import LoopClock
 from .app import start_server
+from .workers import Reservation, Supervisor, WorkerLink, worker_command
 
-__all__ = ["ConfigWatcher", "dashboard_url", "serve", "shutdown"]
+__all__ = ["ConfigWatcher", "dashboard_url", "serve", "serve_workers", "shutdown"]
 
 log = logging.getLogger("slotproxy")
 
@@ -108,12 +109,12 @@ def _raise_open_files_limit() -> None:
         log.info("open files limit: %d (the hard limit)", after)
 
 
-async def _serve(config: Config, path: str, host: str, port: int) -> int:
+async def _serve(config: Config, path: str, host: str, port: int, worker: WorkerLink | None = None) -> int:
     _raise_open_files_limit()
     install_accept_error_log(asyncio.get_running_loop())
-    state = ProxyState(config, config_path=path)
+    state = ProxyState(config, config_path=path, worker=None if worker is None else worker.index)
     try:
-        runner, bound = await start_server(state, host, port)
+        runner, bound = await start_server(state, host, port, reuse_port=worker is not None)
     except OSError as exc:  # the port was free when the CLI probed it, and was taken since: still one line
         from .bind import failure
 
@@ -131,12 +132,17 @@ async def _serve(config: Config, path: str, host: str, port: int) -> int:
     settle_heap()
     heap = HeapKeeper(lambda: state.active_requests, LoopClock(loop))
     heap.start()
-    log.info("slotproxy listening on http://%s:%d (providers: %s; config %s); dashboard: %s",
-             host, bound, ", ".join(config.provider_names()) or "none", path, dashboard_url(host, bound))
+    if worker is None:
+        log.info("slotproxy listening on http://%s:%d (providers: %s; config %s); dashboard: %s",
+                 host, bound, ", ".join(config.provider_names()) or "none", path, dashboard_url(host, bound))
+    else:  # the parent says where the fleet listens, once
+        worker.ready(loop, stop.set)
     await stop.wait()
     heap.stop()
     await watcher.stop()
     await shutdown(state, runner)
+    if worker is not None:
+        worker.close()
     return 0
 
 
@@ -148,10 +154,42 @@ def dashboard_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}/_slotproxy/"
 
 
-def serve(config: Config, path: str, host: str, port: int) -> int:
-    """Run until SIGTERM or SIGINT; returns the exit status."""
+def serve(config: Config, path: str, host: str, port: int, *, worker: WorkerLink | None = None) -> int:
+    """Run until SIGTERM or SIGINT; returns the exit status. ``worker``: as worker N of ``serve --workers``."""
     # Outside any except block: an error while serving must not carry "No module named 'uvloop'" as its context.
-    return _event_loop_runner()(_serve(config, path, host, port))
+    return _event_loop_runner()(_serve(config, path, host, port, worker))
+
+
+def serve_workers(config: Config, path: str, host: str, reservation: Reservation, count: int, *,
+                  log_format: str, log_level: str) -> int:
+    """``serve --workers N``: start N workers on the port ``reservation`` holds and supervise them until
+    SIGTERM or SIGINT; returns the exit status."""
+    port = reservation.port
+    grace = config.server.shutdown_grace
+
+    def current_grace() -> float:
+        """The workers' shutdown_grace as the config file says now (they reload it on edits and SIGHUP)."""
+        nonlocal grace
+        try:
+            grace = load_config(Path(path)).server.shutdown_grace
+        except (ConfigError, OSError):
+            pass  # an invalid edit: the workers keep the config they run, and so their grace
+        return grace
+
+    def started(pids: list[int]) -> None:
+        log.info("slotproxy listening on http://%s:%d with %d workers (pids %s; providers: %s; config %s); "
+                 "dashboard: %s", host, port, count, ", ".join(map(str, pids)),
+                 ", ".join(config.provider_names()) or "none", path, dashboard_url(host, port))
+
+    supervisor = Supervisor(count, worker_command(path, host, port, log_format, log_level), grace=current_grace,
+                            on_ready=started)
+    try:
+        code = asyncio.run(supervisor.run())
+    finally:
+        reservation.close()
+    if code == 0:
+        log.info("slotproxy stopped")
+    return code
 
 
 def _event_loop_runner() -> Callable[[Coroutine[Any, Any, int]], int]:

@@ -41,7 +41,7 @@ def test_every_command_is_walked() -> None:
 def test_every_option_has_help_that_states_its_default(command: str) -> None:
     parser = dict(subparsers(build_parser()))[command]
     for action in parser._actions:
-        if isinstance(action, NOT_OPTIONS):
+        if isinstance(action, NOT_OPTIONS) or action.help == argparse.SUPPRESS:  # internal (serve --worker-of)
             continue
         assert action.help, f"{command} {action.option_strings} has no help"
         assert "default" in action.help.lower(), f"{command} {action.option_strings}: {action.help!r}"
