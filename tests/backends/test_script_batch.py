@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from proxy.backends.redis.client import ScriptBatch, packing_in_c, reconnect_once
 
@@ -65,3 +65,23 @@ async def test_a_killed_connection_is_opened_again_for_the_next_batch(redis_clie
         await redis_client.client_kill_filter(_id=client_id)
     assert await batch.call("ECHO", keys=[], args=("after",)) == b"after"
     await batch.close()
+
+
+async def test_a_closed_batch_ends_the_batch_in_flight_and_never_opens_its_connection_again(redis_client) -> None:
+    """A write issued while the backend closes (a release from a cancelled task, say) must not reconnect:
+    a connection opened after close outlives the event loop."""
+    batch = ScriptBatch(redis_client, {**SCRIPTS, "SLOW": "local t = redis.call('TIME') "
+                                       "repeat local n = redis.call('TIME') until (n[1] - t[1]) * 1000000 "
+                                       "+ (n[2] - t[2]) > 200000 return 1"})
+    assert await batch.call("ECHO", keys=[], args=("up",)) == b"up"
+    in_flight = batch.call("SLOW", keys=[], args=())
+    await asyncio.sleep(0.05)
+    await batch.close()
+    with pytest.raises(RedisError):
+        await in_flight
+    with pytest.raises(RedisError, match="closed"):
+        await batch.call("ECHO", keys=[], args=("late",))
+    await asyncio.sleep(0.3)  # the slow script has ended on the server
+    name = redis_client.connection_pool.connection_kwargs["client_name"]
+    batch_connections = [c for c in await redis_client.client_list() if c.get("name") == name]
+    assert len(batch_connections) == 1, "only the test's own client is connected"

@@ -29,6 +29,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from ...aio import cancel_and_wait
 from . import lua
 
 SCRIPTS: dict[str, str] = {name: getattr(lua, name) for name in lua.__all__}
@@ -140,10 +141,14 @@ class ScriptBatch:
         self._shas = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in scripts.items()}
         self._queued: list[tuple[str, list[str], tuple[Any, ...], asyncio.Future[Any]]] = []
         self._sender: asyncio.Task[None] | None = None
+        self._closed = False
 
     def call(self, name: str, *, keys: list[str], args: tuple[Any, ...]) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
+        if self._closed:  # a late write must not open the connection again after close
+            future.set_exception(RedisError("the redis backend is closed"))
+            return future
         self._queued.append((name, keys, args, future))
         if self._sender is None:
             self._sender = loop.create_task(self._send_all())
@@ -195,6 +200,10 @@ class ScriptBatch:
             lambda: _round_trip(connection, commands), lambda _error: connection.disconnect())
 
     async def close(self) -> None:
+        """End the batch in flight (its callers get an error) and close the connection; later calls fail
+        at once, so nothing opens it again."""
+        self._closed = True
+        await cancel_and_wait(self._sender)
         await self._connection.disconnect()
 
 
