@@ -21,8 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from multidict import CIMultiDict
-
 from common import (
     HOST,
     WRK_LUA,
@@ -36,6 +34,7 @@ from common import (
     static_nginx_conf,
     wait_http,
 )
+from multidict import CIMultiDict
 from overhead import BODY, PATH_PROXIED, slotproxy_yaml, start_nginx
 
 CONNS = 16

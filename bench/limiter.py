@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from proxy.limiter import (  # noqa: E402
+from proxy.limiter import (
     FakeClock,
     KeySettings,
     Lease,

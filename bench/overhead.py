@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import signal
 import subprocess
@@ -251,7 +252,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str) -> StreamTiming:
                 break
     ended = time.perf_counter()
     chunks = stamps[:SSE_CHUNKS]
-    gaps = [(later - earlier) * 1000 for earlier, later in zip(chunks, chunks[1:])]
+    gaps = [(later - earlier) * 1000 for earlier, later in itertools.pairwise(chunks)]
     return StreamTiming((stamps[0] - started) * 1000, (ended - started) * 1000, gaps)
 
 
@@ -559,17 +560,17 @@ def _machine_note() -> str:
 
 
 def report(results: Results, args: argparse.Namespace, command: str) -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "## Overhead (bench/overhead.py)",
         "",
-        f"`{command}` — {stamp}, {args.rounds} interleaved round(s), wrk {args.duration:g} s per run, "
-        f"`-t{WRK_THREADS}`.",
+        (f"`{command}` — {stamp}, {args.rounds} interleaved round(s), wrk {args.duration:g} s per run, "
+        f"`-t{WRK_THREADS}`."),
         f"Machine: {_machine_note()}.",
         "Cells: median over rounds (min–max). Both nginx run `worker_processes 1`; slotproxy is one process.",
-        "CPU: utime+stime from /proc during each wrk run (proxy = slotproxy, or nginx master+worker; "
+        ("CPU: utime+stime from /proc during each wrk run (proxy = slotproxy, or nginx master+worker; "
         "upstream = the static nginx). SSE TTFB = POST to the first SSE event, the fake upstream's first "
-        f"{SSE_DELAY_MS} ms delay included.",
+        f"{SSE_DELAY_MS} ms delay included."),
         "",
         "### Targets",
         "",
@@ -579,8 +580,8 @@ def report(results: Results, args: argparse.Namespace, command: str) -> str:
         "",
         *wrk_table(results, args.duration),
         "",
-        f"### SSE: {SSE_CLIENTS} concurrent streams × {SSE_CHUNKS} chunks {SSE_DELAY_MS} ms apart, "
-        f"{SSE_WAVES} waves per round",
+        (f"### SSE: {SSE_CLIENTS} concurrent streams × {SSE_CHUNKS} chunks {SSE_DELAY_MS} ms apart, "
+        f"{SSE_WAVES} waves per round"),
         "",
         *sse_table(results),
     ]

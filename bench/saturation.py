@@ -95,6 +95,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import math
 import os
 import signal
 import statistics
@@ -418,7 +419,7 @@ def key_figures(stats: dict[str, Any]) -> tuple[KeyFigures, ...]:
 
 def summarise(lag_ms: int, mode: str, tally: Tally, stats: dict[str, Any], end: End,
               args: argparse.Namespace) -> Result:
-    waits = [w for w in tally.queue_ms if w == w]
+    waits = [w for w in tally.queue_ms if not math.isnan(w)]
     return Result(
         lag_ms=lag_ms, mode=mode, duration=args.duration, completed=tally.completed,
         upstream_429=int(stats["rate_limited"]), upstream_requests=int(stats["requests"]),
@@ -566,20 +567,20 @@ def _mode_notes(results: Sequence[Result], args: argparse.Namespace) -> list[str
 
 
 def report(results: Sequence[Result], args: argparse.Namespace, command: str) -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "## Saturation (bench/saturation.py)",
         "",
-        f"`{command}` — {stamp}. {args.agents} agents, {args.duration:g} s per run, "
+        (f"`{command}` — {stamp}. {args.agents} agents, {args.duration:g} s per run, "
         f"fake upstream `--cap {CAP} --chunks {CHUNKS} --delay-ms {DELAY_MS} --lag-ms L` (one stream ≈ 1 s), "
-        "slotproxy `limit: 8`, a fresh fake and proxy per run.",
+        "slotproxy `limit: 8`, a fresh fake and proxy per run."),
         f"Machine: {_machine_note()}.",
-        f"Utilisation = mean of the fake's own concurrency count (`/v1/usage`, every {SAMPLE_EVERY * 1000:g} ms "
+        (f"Utilisation = mean of the fake's own concurrency count (`/v1/usage`, every {SAMPLE_EVERY * 1000:g} ms "
         f"from {args.warmup:g} s on, while more than {CAP} agents want an answer) / {CAP}. That count includes "
-        "the lag period: it is the provider's view of concurrency, the one its 429s are based on.",
+        "the lag period: it is the provider's view of concurrency, the one its 429s are based on."),
         *_mode_notes(results, args),
-        "Agent 429s: 429 answers the agents saw (direct: `RateLimitError` after the SDK's 2 retries). "
-        "Queue wait: mean `X-Slotproxy-Queue-Ms` of completed streams.",
+        ("Agent 429s: 429 answers the agents saw (direct: `RateLimitError` after the SDK's 2 retries). "
+        "Queue wait: mean `X-Slotproxy-Queue-Ms` of completed streams."),
         "",
         *results_table(results),
         "",

@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -460,7 +461,7 @@ def _round(records: list[StreamRecord], window: float, put_ms: list[float], poll
         chunks = record.stamps[:MEASURED_CHUNKS]
         if record.status == 200 and record.error is None and len(record.stamps) >= MEASURED_CHUNKS + 1:
             complete += 1
-        gaps += [(b - a) * 1000 for a, b in zip(chunks, chunks[1:]) if a >= window]
+        gaps += [(b - a) * 1000 for a, b in itertools.pairwise(chunks) if a >= window]
     return Round(gaps, complete, len(records), put_ms, polls)
 
 
@@ -720,7 +721,7 @@ def _ms_list(values: Sequence[float]) -> str:
 
 
 def report(results: Results, args: argparse.Namespace, command: str) -> str:
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     r = results
     put_ms = [p for rnd in r.rounds["queue"] for p in rnd.put_ms]
     polls = [p for rnd in r.rounds["queue + status 1/s"] for p in rnd.status_polls_ms]
@@ -736,9 +737,9 @@ def report(results: Results, args: argparse.Namespace, command: str) -> str:
         "",
         f"`{command}` — {stamp}, whole run {r.timings['total s']:.0f} s.",
         f"Machine: {machine_note(with_model=True)}.",
-        f"One slotproxy (uvloop) → `slotproxy fake-upstream --chunks {HOLD_CHUNKS} --delay-ms {HOLD_DELAY_MS}` "
+        (f"One slotproxy (uvloop) → `slotproxy fake-upstream --chunks {HOLD_CHUNKS} --delay-ms {HOLD_DELAY_MS}` "
         f"(no cap); {args.workers} client processes (aiohttp, `TCPConnector(limit=0)`); the {args.measured} "
-        "measured streams run in the bench process. RSS = VmRSS of the proxy process.",
+        "measured streams run in the bench process. RSS = VmRSS of the proxy process."),
         "",
         "### Targets",
         "",
@@ -750,41 +751,41 @@ def report(results: Results, args: argparse.Namespace, command: str) -> str:
         "|---|---|",
         f"| (a) idle after start | {r.base_kib / 1024:.1f} MiB |",
         f"| (a) idle after a 32-stream warm-up | {r.warm_kib / 1024:.1f} MiB |",
-        f"| (b) {r.opened} of {r.streams} streams held open (all had their first chunk: "
-        f"{'yes' if r.opened == r.streams else 'NO'}) | {r.held_kib / 1024:.1f} MiB |",
+        (f"| (b) {r.opened} of {r.streams} streams held open (all had their first chunk: "
+        f"{'yes' if r.opened == r.streams else 'NO'}) | {r.held_kib / 1024:.1f} MiB |"),
         f"| (b) per held stream: (held − warm idle) / {r.opened} | {r.per_stream_kib:.1f} KiB |",
-        f"| (c) just before the waiters, after the no-queue rounds (limit {r.opened}) | "
-        f"{r.before_waiters_kib / 1024:.1f} MiB |",
+        (f"| (c) just before the waiters, after the no-queue rounds (limit {r.opened}) | "
+        f"{r.before_waiters_kib / 1024:.1f} MiB |"),
         f"| (c) + {r.queued_seen} waiters queued | {r.queued_kib / 1024:.1f} MiB |",
         f"| (c) per waiter: delta / {r.queued_seen} | {r.per_waiter_total_kib:.2f} KiB |",
         f"| (c) per waiter beyond its {len(WAITER_BODY)}-byte body | {r.per_waiter_kib:.2f} KiB |",
-        f"| after every client closed (in_flight {r.drained.get('in_flight')}, queued "
-        f"{r.drained.get('queued')}) | {r.after_kib / 1024:.1f} MiB |",
+        (f"| after every client closed (in_flight {r.drained.get('in_flight')}, queued "
+        f"{r.drained.get('queued')}) | {r.after_kib / 1024:.1f} MiB |"),
         f"| fake upstream holding {r.opened} streams (for reference) | {r.fake_kib / 1024:.1f} MiB |",
         "",
         f"### Status with {r.queued_seen} waiters",
         "",
-        f"- `GET /_slotproxy/status`: `queued: {r.queued_seen}`, `queue` lists {r.queue_listed} waiters, "
-        f"{r.status_bytes / 1e6:.2f} MB of JSON; {STATUS_CALLS} calls took {_ms_list(r.status_ms)} ms.",
+        (f"- `GET /_slotproxy/status`: `queued: {r.queued_seen}`, `queue` lists {r.queue_listed} waiters, "
+        f"{r.status_bytes / 1e6:.2f} MB of JSON; {STATUS_CALLS} calls took {_ms_list(r.status_ms)} ms."),
         f"- `GET /metrics` (builds the same snapshot, queue listing included): {_ms_list(r.metrics_ms)} ms.",
-        f"- `PUT /_slotproxy/providers/{PROVIDER}/limit` (answers with the provider's status, queue included): "
-        f"{_ms_list(put_ms)} ms.",
+        (f"- `PUT /_slotproxy/providers/{PROVIDER}/limit` (answers with the provider's status, queue included): "
+        f"{_ms_list(put_ms)} ms."),
         f"- Status polled once a second during the last variant below: {_ms_list(polls)} ms.",
         "",
-        f"### Admitted streams: {args.measured} streams × {MEASURED_CHUNKS} chunks {MEASURED_DELAY_MS} ms apart, "
-        f"{args.rounds} round(s) per variant",
+        (f"### Admitted streams: {args.measured} streams × {MEASURED_CHUNKS} chunks {MEASURED_DELAY_MS} ms apart, "
+        f"{args.rounds} round(s) per variant"),
         "",
-        f"All with the {r.opened} held streams relaying a chunk a second each. Gaps pooled over rounds; "
-        f"nominal gap {MEASURED_DELAY_MS} ms.",
+        (f"All with the {r.opened} held streams relaying a chunk a second each. Gaps pooled over rounds; "
+        f"nominal gap {MEASURED_DELAY_MS} ms."),
         "",
         "| variant | gaps | gap p50 ms | gap p99 ms | per-round p99 ms | max gap ms | complete |",
         "|---|---|---|---|---|---|---|",
         *(_gap_row(f"{name} ({VARIANTS[name]})", r.rounds[name]) for name in VARIANTS if r.rounds.get(name)),
         "",
-        f"Held streams opened in {r.timings['open streams s']:.1f} s; waiters queued in "
+        (f"Held streams opened in {r.timings['open streams s']:.1f} s; waiters queued in "
         f"{r.timings['queue waiters s']:.1f} s; closing everything and draining took {r.timings['drain s']:.1f} s. "
         f"Held streams that ended early: {ended}. Waiters answered during the run: "
-        f"{dict(waiter_statuses) or 'none'}. Client errors: {dict(failures) or 'none'}.",
+        f"{dict(waiter_statuses) or 'none'}. Client errors: {dict(failures) or 'none'}."),
     ]
     return "\n".join(lines) + "\n"
 
