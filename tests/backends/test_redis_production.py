@@ -90,6 +90,28 @@ async def test_a_primary_killed_under_load_loses_no_request_and_leaks_no_slot(st
         topology.stop()
 
 
+
+async def test_a_dead_sentinel_costs_no_time_and_closing_without_redis_is_quick() -> None:
+    """redis-py's default retry spends seconds on each dead sentinel (ten tries, backing off to a second):
+    the first sentinel dead, the primary is still found at once; with every Redis process gone, closing
+    the backend does not wait for a batch that cannot reach one."""
+    topology = SentinelTopology.start()
+    try:
+        topology.sentinels[0].kill()
+        backend = RedisBackend(sentinel_target(topology), key_prefix=f"ds-{os.urandom(4).hex()}", lease_ttl=3)
+        started = time.monotonic()
+        await backend.start()
+        backend.configure({"openai": LimiterSettings(limit=1)}, frozenset())
+        lease = await asyncio.wait_for(backend.acquire("openai", Priority(prompt_started_at=time.time())), 5)
+        assert time.monotonic() - started < 1.5, "the dead first sentinel delayed the start"
+        topology.stop()
+        lease.release()  # a write that can no longer reach Redis, in flight when the backend closes
+        closing = time.monotonic()
+        await backend.close()
+        assert time.monotonic() - closing < 2.5
+    finally:
+        topology.stop()
+
 async def test_health_follows_redis_within_two_seconds_with_no_request(start_proxy, client, private_redis) -> None:
     proxy = await start_proxy(f"state: {{path: null}}\nbackend: {{kind: redis, url: '{private_redis.url}', "
                               "key_prefix: health, lease_ttl: 3s}\nproviders:\n"

@@ -29,7 +29,6 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from ...aio import cancel_and_wait
 from . import lua
 
 SCRIPTS: dict[str, str] = {name: getattr(lua, name) for name in lua.__all__}
@@ -117,6 +116,10 @@ def connect(url: str, replica: str, **options: Any) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
+_CLOSE_WAIT = 1.0
+"""How long closing waits for a batch in flight to give up."""
+
+
 class ScriptBatch:
     """Script calls made in one event-loop turn go to Redis as one pipeline: one round trip for all of
     them, instead of one each. One batch is in flight at a time, and the calls made meanwhile form the
@@ -201,9 +204,15 @@ class ScriptBatch:
 
     async def close(self) -> None:
         """End the batch in flight (its callers get an error) and close the connection; later calls fail
-        at once, so nothing opens it again."""
+        at once, so nothing opens it again. A batch still trying to reach an unreachable Redis is not waited
+        for past ``_CLOSE_WAIT``: its connection is closed when it ends."""
         self._closed = True
-        await cancel_and_wait(self._sender)
+        sender = self._sender
+        if sender is not None:
+            sender.cancel()
+            await asyncio.wait({sender}, timeout=_CLOSE_WAIT)
+            if not sender.done():
+                sender.add_done_callback(lambda _: asyncio.ensure_future(self._connection.disconnect()))
         await self._connection.disconnect()
 
 

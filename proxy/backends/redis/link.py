@@ -130,7 +130,10 @@ class SentinelLink(Link):
     def __init__(self, target: RedisTarget, replica: str, scripts: Mapping[str, str]) -> None:
         super().__init__(scripts)
         assert target.service is not None
-        sentinel_kwargs: dict[str, Any] = {"socket_timeout": _TIMEOUT, "socket_connect_timeout": _TIMEOUT}
+        # One immediate retry, as for the data nodes: redis-py's default (ten, backing off up to a second)
+        # spends seconds on each dead sentinel before asking the next one.
+        sentinel_kwargs: dict[str, Any] = {"socket_timeout": _TIMEOUT, "socket_connect_timeout": _TIMEOUT,
+                                           "retry": reconnect_once()}
         if target.sentinel_password:
             sentinel_kwargs["password"] = target.sentinel_password
         tls = target.tls_options()
