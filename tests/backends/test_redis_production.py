@@ -180,6 +180,47 @@ async def test_each_providers_keys_share_one_slot_and_providers_spread_over_the_
         await backend.close()
 
 
+
+async def test_on_a_cluster_a_grant_listener_outlives_a_slot_map_without_its_channel(cluster_topology) -> None:
+    """The grant listener subscribes on the node its channel hashes to, as the Cluster client's slot map says;
+    a map that lacks that slot (a cluster still forming: redis-py raises KeyError) once killed the listener
+    for good, and the replica's waiters were granted only by the renew round, every lease_ttl / 3."""
+    prefix = f"grant-{os.urandom(4).hex()}"
+    holder, waiter = (RedisBackend(cluster_target(cluster_topology), key_prefix=prefix, lease_ttl=30)
+                      for _ in range(2))
+    make_pubsub = waiter._redis.pubsub
+    made = 0
+
+    def pubsub_missing_the_slot_once(**options: Any) -> Any:
+        nonlocal made
+        made += 1
+        pubsub = make_pubsub(**options)
+        if made == 1:
+            async def subscribe(*channels: str) -> None:
+                raise KeyError(1243)  # what redis-py's slot lookup raises for a slot it does not know
+            pubsub.subscribe = subscribe
+        return pubsub
+
+    waiter._redis.pubsub = pubsub_missing_the_slot_once
+    for backend in (holder, waiter):
+        await backend.start()
+        backend.configure({"openai": LimiterSettings(limit=1)}, frozenset())
+        await backend.flush()
+    try:
+        held = await asyncio.wait_for(holder.acquire("openai", Priority(time.time())), 5)
+        queued = asyncio.create_task(waiter.acquire("openai", Priority(time.time())))
+        await asyncio.sleep(1.0)  # the listener has subscribed again
+        assert not queued.done() and made >= 2
+        held.release()
+        released = time.monotonic()
+        lease = await asyncio.wait_for(queued, 5)
+        assert time.monotonic() - released < 1.0, "granted by the renew round, not by its message"
+        lease.release()
+    finally:
+        for backend in (holder, waiter):
+            await backend.close()
+
+
 async def test_a_cluster_node_restarted_empty_is_survived() -> None:
     topology = ClusterTopology.start()
     backend = RedisBackend(cluster_target(topology), key_prefix="restart", lease_ttl=2)

@@ -6,6 +6,7 @@ lost them) and the slots it holds (leases renewed while their streams run, recla
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -30,6 +31,8 @@ log = logging.getLogger("slotproxy.redis")
 
 _UNCONFIGURED = -2
 _TRANSPORT_ARGS = {"websocket": "ws"}
+_RELEARN_SLOTS_AFTER = 0.5
+"""A grant listener whose channel's slot a Cluster client did not know asks for the slots again after this."""
 """A waiter's transport as the scripts keep it: absent for HTTP (most waiters), ``ws`` for a WebSocket."""
 
 
@@ -398,6 +401,7 @@ class SlotKeeper(ScriptClient):
         while not self._closed:
             pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
             try:
+                await self._link.start()  # a Cluster's pubsub finds the channel's node in the slots it learnt
                 await pubsub.subscribe(self._channel + self.replica)
                 async for message in pubsub.listen():
                     if message.get("type") == "message":
@@ -406,6 +410,10 @@ class SlotKeeper(ScriptClient):
             except (RedisError, OSError) as exc:
                 self._mark_unhealthy(exc)
                 await asyncio.sleep(self._renew_every)
+            except KeyError:  # a Cluster client's slot map lacks the channel's slot: a cluster still forming
+                await asyncio.sleep(_RELEARN_SLOTS_AFTER)
+                with contextlib.suppress(RedisError, OSError):
+                    await self._link.refresh()
             finally:
                 await pubsub.aclose()
 
