@@ -329,6 +329,33 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+# --- Redis keys ----------------------------------------------------------------------
+
+
+def redis_keys(client: Any, prefix: str) -> Iterator[bytes]:
+    """The keys a run with ``key_prefix: <prefix>…`` left in Redis: slotproxy's keys are
+    ``{<prefix>:<provider>}:…`` (one hash tag per provider); keys without a tag start with the prefix."""
+    for pattern in (f"{prefix}*", f"{{{prefix}*"):
+        yield from client.scan_iter(match=pattern, count=1000)
+
+
+def delete_redis_keys(client: Any, prefix: str, max_keys: int = 200_000) -> int:
+    """Delete the keys ``redis_keys`` finds (bounded); returns how many."""
+    deleted = 0
+    batch: list[bytes] = []
+    for key in redis_keys(client, prefix):
+        batch.append(key)
+        if len(batch) >= 500:
+            deleted += int(client.delete(*batch))
+            batch.clear()
+        if deleted + len(batch) >= max_keys:
+            log(f"redis: stopped deleting after {max_keys} keys under {prefix}")
+            break
+    if batch:
+        deleted += int(client.delete(*batch))
+    return deleted
+
+
 # --- processes -----------------------------------------------------------------------
 
 
