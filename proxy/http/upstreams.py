@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextvars
 import os
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
@@ -29,6 +30,19 @@ def expect_upgrade() -> None:
 def refused_upgrade_body() -> bytes:
     """The body of the upgrade just refused, in the task that sent it (at most 1 MiB)."""
     return _refusal_body.get()
+
+
+def _relay_session(settings: ProviderSettings, **options: Any) -> aiohttp.ClientSession:
+    """A client session as the relay needs one: no connection limit (the slots are the limit), bodies passed
+    on compressed as they came, no cookies, no headers of aiohttp's own, no proxy from the environment."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ssl=settings.tls_verify, ttl_dns_cache=300),
+        auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=_SKIP_AUTO_HEADERS,
+        trust_env=False,
+        **options,
+    )
 
 
 async def _keep_refusal_body(_session: aiohttp.ClientSession, _context: object,
@@ -97,15 +111,7 @@ class Upstreams:
     def session_for(self, settings: ProviderSettings) -> aiohttp.ClientSession:
         session = self._sessions.get(settings.tls_verify)
         if session is None or session.closed:
-            connector = aiohttp.TCPConnector(limit=0, ssl=settings.tls_verify, ttl_dns_cache=300)
-            session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=_SKIP_AUTO_HEADERS,
-                request_class=_RelayedRequest,
-                trust_env=False,
-            )
+            session = _relay_session(settings, request_class=_RelayedRequest)
             self._sessions[settings.tls_verify] = session
         return session
 
@@ -118,16 +124,8 @@ class Upstreams:
         if session is None or session.closed:
             trace = aiohttp.TraceConfig()
             trace.on_request_end.append(_keep_refusal_body)
-            connector = aiohttp.TCPConnector(limit=0, ssl=settings.tls_verify, ttl_dns_cache=300)
-            session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,
-                cookie_jar=aiohttp.DummyCookieJar(),
-                skip_auto_headers=_SKIP_AUTO_HEADERS,
-                trace_configs=[trace],
-                timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout, sock_read=None),
-                trust_env=False,
-            )
+            session = _relay_session(settings, trace_configs=[trace], timeout=aiohttp.ClientTimeout(
+                total=None, connect=settings.connect_timeout, sock_read=None))
             self._websocket_sessions[policy] = session
         return session
 

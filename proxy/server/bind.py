@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 TYPE_CHECKING = False  # typing's own costs an import on every CLI call; mypy reads this name the same
 if TYPE_CHECKING:
+    import socket
     from ipaddress import IPv4Address, IPv6Address
 
     _Address = IPv4Address | IPv6Address
@@ -59,29 +60,43 @@ def probe(host: str, port: int, *, port_flag: str | None = "--port", host_flag: 
     """
     import socket
 
+    _, opened = bind_every_address(host, port, socket.SO_REUSEADDR, port_flag=port_flag, host_flag=host_flag)
+    for sock in opened:
+        sock.close()
+
+
+def bind_every_address(host: str, port: int, option: int, *, port_flag: str | None = "--port",
+                       host_flag: str | None = "--host") -> tuple[int, list[socket.socket]]:
+    """Bind, without listening, a socket per address ``host`` resolves to, each with the ``SOL_SOCKET``
+    ``option`` set (IPv6 ones v6-only), all on one port (port 0: the first one's pick). Returns that port
+    and the sockets; on a failure closes them and raises :class:`BindFailed` (or the OSError it cannot
+    explain)."""
+    import socket
+
     try:
         infos = socket.getaddrinfo(host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise BindFailed(_unresolved(exc, host, port, host_flag)) from None
     opened: list[socket.socket] = []
+    chosen = port
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):
             sock = socket.socket(family, kind, proto)
             opened.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, option, 1)
             if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
-                sock.bind(address)
-            except OSError as exc:
-                bound = failure(exc, host, port, port_flag=port_flag, host_flag=host_flag)
-                if bound is None:
-                    raise
-                raise bound from None
-    finally:
+            sock.bind((address[0], chosen, *address[2:]))
+            chosen = sock.getsockname()[1]
+    except OSError as exc:
         for sock in opened:
             sock.close()
+        bound = failure(exc, host, port, port_flag=port_flag, host_flag=host_flag)
+        if bound is None:
+            raise
+        raise bound from None
+    return chosen, opened
 
 
 def describe(exc: OSError, host: str, port: int, *, port_flag: str | None = "--port",

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .bind import failure
+from .bind import bind_every_address
 
 __all__ = ["MARGIN", "Reservation", "Supervisor", "WorkerLink", "backoff", "describe_exit", "reserve",
            "reuse_port_missing", "worker_command", "worker_environment"]
@@ -93,27 +93,7 @@ def reuse_port_missing() -> bool:
 def reserve(host: str, port: int) -> Reservation:
     """Bind, without listening, what the workers will listen on; port 0 picks one port for all of them.
     Raises :class:`~proxy.server.bind.BindFailed` (or the OSError it cannot explain)."""
-    infos = socket.getaddrinfo(host or None, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM,
-                               flags=socket.AI_PASSIVE)
-    held: list[socket.socket] = []
-    chosen = port
-    try:
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            held.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((address[0], chosen, *address[2:]))
-            chosen = sock.getsockname()[1]
-    except OSError as exc:
-        for sock in held:
-            sock.close()
-        bound = failure(exc, host, port)
-        if bound is None:
-            raise
-        raise bound from None
-    return Reservation(chosen, held)
+    return Reservation(*bind_every_address(host, port, socket.SO_REUSEPORT))
 
 
 def worker_command(config_path: str, host: str, port: int, log_format: str, log_level: str) -> \
