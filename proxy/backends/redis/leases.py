@@ -31,9 +31,9 @@ log = logging.getLogger("slotproxy.redis")
 
 _UNCONFIGURED = -2
 _TRANSPORT_ARGS = {"websocket": "ws"}
+"""A waiter's transport as the scripts keep it: absent for HTTP (most waiters), ``ws`` for a WebSocket."""
 _RELEARN_SLOTS_AFTER = 0.5
 """A grant listener whose channel's slot a Cluster client did not know asks for the slots again after this."""
-"""A waiter's transport as the scripts keep it: absent for HTTP (most waiters), ``ws`` for a WebSocket."""
 
 
 class RedisLease:
