@@ -615,7 +615,9 @@ async def _kill(fleet: Fleet, lease_ttl: float, delay_ms: float) -> Kill:
         for response in held:
             assert response.connection is not None and response.connection.transport is not None
             worker = fleet.serving(response.connection.transport.get_extra_info("sockname")[1])
-            by_worker.setdefault(worker or 0, []).append(response)
+            if worker is None:  # never guess: os.kill(0, ...) would signal this whole process group
+                raise RuntimeError("no worker holds the proxy's end of a held stream")
+            by_worker.setdefault(worker, []).append(response)
         victim, victims_streams = max(by_worker.items(), key=lambda item: len(item[1]))
         before = set(fleet.workers())
         log(f"kill: {HELD_LIMIT} streams held on {HELD_PROVIDER} (limit {HELD_LIMIT}), "
