@@ -494,6 +494,14 @@ SCENARIOS: dict[str, tuple[list[Any], dict[str, Any]]] = {
         Advance(0.6),
         Expect({"queued": 0}, keys={"fourth": "a"}),
     ], {}),
+    "holders granted in one instant are listed in the order they were granted": ([
+        Configure({"limit": 1}),
+        Acquire("h", workspace="h"),
+        Acquire("w3", workspace="c", age=30), Acquire("w1", workspace="a", age=10),
+        Acquire("w2", workspace="b", age=20),
+        SetLimit(4),
+        Expect({"in_flight": 4, "queued": 0}, held=("h", "w1", "w2", "w3")),
+    ], {}),
     "max_share: a workspace at its share is passed over while another can go, else admitted": ([
         Configure({"limit": 2, "max_share": 0.5}),
         Acquire("a1", workspace="a"), Acquire("a2", workspace="a"),

@@ -359,7 +359,10 @@ if listed > 0 then
       if raw then table.insert(holders, cjson.decode(raw)) end
     end
   end
-  table.sort(holders, function(a, b) return (a.t or 0) < (b.t or 0) end)
+  table.sort(holders, function(a, b)
+    if (a.t or 0) ~= (b.t or 0) then return (a.t or 0) < (b.t or 0) end
+    return (a.g or 0) < (b.g or 0)
+  end)
   for i = #holders, listed + 1, -1 do holders[i] = nil end
   for i, holder in ipairs(holders) do holders[i] = cjson.encode(holder) end
 end

@@ -290,12 +290,13 @@ local function grant(id, info, key, now, lease_ttl, channel)
   count_against_budget(key ~= '' and level_hash('k:' .. key) or KEYS[1], now)
   redis.call('ZADD', KEYS[2], now + lease_ttl, id)
   for _, lid in ipairs(levels) do redis.call('ZADD', level_hash(lid) .. ':leases', now + lease_ttl, id) end
-  -- who holds it (for the status listing): workspace, levels, conversation, model, key, star, transport, since
+  local granted = redis.call('HINCRBY', KEYS[1], 'granted', 1)
+  -- who holds it (for the status listing): workspace, levels, conversation, model, key, star, transport, since,
+  -- and the grant's number (grants in one millisecond listed in the order they were made, as in memory)
   redis.call('HSET', BASE .. 'lmap', id, cjson.encode({w = info.w, l = levels, c = info.c, md = info.md, k = key,
-    s = string.sub(info.m, 1, 1) == '0', tr = info.tr, t = now}))
+    s = string.sub(info.m, 1, 1) == '0', tr = info.tr, t = now, g = granted}))
   redis.call('HINCRBY', BASE .. 'wsheld', info.w, 1)
   redis.call('HSET', KEYS[7], id, id .. ' ' .. now .. ' ' .. key)
-  redis.call('HINCRBY', KEYS[1], 'granted', 1)
   if id ~= answering then redis.call('PUBLISH', channel .. info.r, id .. ' ' .. id .. ' ' .. now .. ' ' .. key) end
 end
 
