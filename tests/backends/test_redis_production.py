@@ -14,6 +14,7 @@ import redis
 from redis.cluster import key_slot
 
 from proxy.backends.redis import RedisBackend
+from proxy.ledger.store import LedgerRow
 from proxy.limiter import LimiterSettings, Priority
 
 from ..conftest import Proxy, chat
@@ -261,3 +262,27 @@ def test_the_config_becomes_a_target_with_the_passwords_from_their_variables() -
     assert "secret" not in repr(target)
     unset = redis_target(backend, {})
     assert (unset.password, unset.sentinel_password) == (None, None)
+
+
+async def test_usage_aggregates_that_cannot_be_written_are_logged_in_words(private_redis, caplog) -> None:
+    """The fleet's usage aggregates are written every second; with Redis gone the warning names the address
+    and the cause in words, not redis-py's 'Error 111 connecting to …'."""
+    backend = RedisBackend(private_redis.url, key_prefix=f"aggr-{os.urandom(4).hex()}", lease_ttl=3)
+    await backend.start()
+    try:
+        backend.configure({"openai": LimiterSettings(limit=1)}, frozenset())
+        await backend.flush()
+        private_redis.stop()
+        backend.record_usage(LedgerRow(ended_at=int(time.time() * 1000), provider="openai", key=None, model="gpt-x",
+                                       workspace="default", starred=False, conversation=None, transport="http",
+                                       status=200, outcome="ok", queue_ms=0, ttfb_ms=1, duration_ms=2,
+                                       input_tokens=10, output_tokens=5))
+        deadline = time.monotonic() + 5
+        while "usage aggregates" not in caplog.text and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        line = next(r.getMessage() for r in caplog.records if "usage aggregates" in r.getMessage())
+        port = private_redis.url.rsplit(":", 1)[1].split("/")[0]
+        assert f"could not connect to 127.0.0.1:{port} (connection refused)" in line, line
+        assert "Error 111" not in line
+    finally:
+        await backend.close()

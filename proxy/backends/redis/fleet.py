@@ -12,7 +12,7 @@ from ...ledger.fleet import FleetUsage
 from ...ledger.report import UsageQuery
 from ...ledger.store import LedgerRow
 from ...logs import ThrottledLog
-from .client import Wire, text
+from .client import Wire, in_words, text
 
 __all__ = ["RedisFleetUsage"]
 
@@ -44,7 +44,7 @@ class RedisFleetUsage:
         self._pending.discard(answer)
         error = None if answer.cancelled() else answer.exception()
         if error is not None:
-            self._lost.event(str(error) or type(error).__name__)
+            self._lost.event(in_words(error))
 
     async def read(self, query: UsageQuery, providers: Iterable[str]) -> dict[str, object]:
         """The fleet's answer to ``query``, from the hours' aggregates (written up to the last ``send``)."""
