@@ -352,21 +352,24 @@ class SocketRelay:
     async def _from_upstream(self, upstream: aiohttp.ClientWebSocketResponse[bool],
                              client: web.WebSocketResponse) -> None:
         now = asyncio.get_running_loop().time
+        receive, send, text, binary = upstream.receive, client.send_frame, WSMsgType.TEXT, WSMsgType.BINARY
         try:
             while True:
-                message = await upstream.receive()
+                message = await receive()
                 kind = message.type
-                if kind is WSMsgType.TEXT:
+                if kind is text:
                     data: bytes = message.data
-                    if self.watch is not None:
-                        self.watch.touch(now())
-                    await client.send_frame(data, WSMsgType.TEXT)
+                    watch = self.watch
+                    if watch is not None:
+                        watch.touch(now())
+                    await send(data, text)
                     if self.in_flight:
                         self._note_event(data)
-                elif kind is WSMsgType.BINARY:
-                    if self.watch is not None:
-                        self.watch.touch(now())
-                    await client.send_frame(message.data, WSMsgType.BINARY)
+                elif kind is binary:
+                    watch = self.watch
+                    if watch is not None:
+                        watch.touch(now())
+                    await send(message.data, binary)
                 else:
                     self._upstream_closed(message.extra or (f"close code {message.data}" if kind is WSMsgType.CLOSE
                                                             else "connection lost"))
@@ -401,6 +404,8 @@ class SocketRelay:
         and rate-limit signals. Most events are a response's output (``response.output_*``): those are
         recognised by their opening and read no further."""
         account = self.in_flight[0].account
+        if data.startswith(_OUTPUT_EVENT) and account.ttfb_ms is not None:
+            return
         if account.ttfb_ms is None:
             account.first_byte()
         if data.startswith(_OUTPUT_EVENT):
