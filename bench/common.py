@@ -116,6 +116,17 @@ def raise_nofile() -> int:
     return hard
 
 
+def enough_open_files(script: str, need: int, who: str = "the proxy") -> bool:
+    """Raise the open-file limit to its hard limit; False, after one line on stderr, when that is below the
+    ``need`` sockets ``who`` will hold."""
+    hard = raise_nofile()
+    log(f"open-file limit raised to {hard} ({who} needs about {need})")
+    if hard < need:
+        print(f"{script}: the open-file hard limit {hard} is below the ~{need} sockets {who} needs", file=sys.stderr)
+        return False
+    return True
+
+
 def command_line(script: str, argv: Sequence[str] | None) -> str:
     """How this run was started, as RESULTS.md quotes it: ``python bench/<script> <its arguments>``."""
     return " ".join(["python", f"bench/{script}", *(sys.argv[1:] if argv is None else argv)])

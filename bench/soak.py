@@ -98,13 +98,13 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     ClientPool,
     Processes,
     command_line,
+    enough_open_files,
     free_port,
     get_json,
     log,
     machine_note,
     pass_miss_table,
     pct,
-    raise_nofile,
     raise_on_sigterm,
     rss_kib,
     run_loop,
@@ -809,11 +809,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, raise_on_sigterm)
-    hard = raise_nofile()
-    need = 2 * args.streams + args.waiters + args.measured + 200
-    log(f"open-file limit raised to {hard} (the proxy needs about {need})")
-    if hard < need:
-        print(f"soak.py: the open-file hard limit {hard} is below the ~{need} sockets the proxy needs", file=sys.stderr)
+    if not enough_open_files("soak.py", 2 * args.streams + args.waiters + args.measured + 200):
         return 2
     command = command_line("soak.py", argv)
     with tempfile.TemporaryDirectory(prefix="slotproxy-soak-") as tmp:

@@ -119,12 +119,12 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     command_line,
     cpu_seconds,
     delete_redis_keys,
+    enough_open_files,
     free_port,
     log,
     machine_note,
     pass_miss_table,
     pct,
-    raise_nofile,
     raise_on_sigterm,
     redis_keys,
     serve_client,
@@ -1016,12 +1016,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, raise_on_sigterm)
-    hard = raise_nofile()
-    need = 2 * max(args.levels) + 200
-    log(f"open-file limit raised to {hard} (the proxy needs about {need})")
-    if hard < need:
-        print(f"streams.py: the open-file hard limit {hard} is below the ~{need} sockets the proxy needs",
-              file=sys.stderr)
+    if not enough_open_files("streams.py", 2 * max(args.levels) + 200):
         return 2
     command = command_line("streams.py", argv)
     with tempfile.TemporaryDirectory(prefix="slotproxy-streams-") as tmp:

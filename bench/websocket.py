@@ -85,13 +85,13 @@ from common import (
     Spread,
     command_line,
     cpu_seconds,
+    enough_open_files,
     free_port,
     get_json,
     log,
     machine_note,
     pass_miss_table,
     pct,
-    raise_nofile,
     raise_on_sigterm,
     rss_kib,
     run_loop,
@@ -622,12 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_loop(bare_ws_relay(int(args.relay[0]), args.relay[1]))
         return 0
     signal.signal(signal.SIGTERM, raise_on_sigterm)
-    hard = raise_nofile()
-    need = 4 * args.idle + 200
-    log(f"open-file limit raised to {hard} (the relay needs about {need})")
-    if hard < need:
-        print(f"websocket.py: the open-file hard limit {hard} is below the ~{need} sockets a relay needs",
-              file=sys.stderr)
+    if not enough_open_files("websocket.py", 4 * args.idle + 200, "a relay"):
         return 2
     command = command_line("websocket.py", argv)
     with tempfile.TemporaryDirectory(prefix="slotproxy-websocket-") as tmp:
