@@ -148,6 +148,12 @@ class UpstreamTimeout(ProxyError):
     status, code = 504, "upstream_timeout"
 
 
+class SlotLost(ProxyError):
+    """The slot an answer held was given up because its lease could not be kept in the shared backend."""
+
+    status, code = 503, "backend_unavailable"
+
+
 class WebSocketUnsupported(ProxyError):
     """A WebSocket upgrade the proxy cannot serve: 426 makes clients such as Codex use HTTP at once, where
     any other refusal makes them retry the upgrade for seconds first."""

@@ -25,6 +25,7 @@ from ..errors import (
     QueueFull,
     QueueTimeout,
     ShuttingDown,
+    SlotLost,
     UnknownProvider,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -65,6 +66,7 @@ log = logging.getLogger("slotproxy.relay")
 _MAX_ERROR_BODY = 1 << 20
 _ONE_WRITE_MAX = 64 * 1024
 _NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE", "TRACE"})
+_LEASE_LOST = "the slot this answer held was given up: its lease could not be renewed in redis before it expired"
 _R = TypeVar("_R", Answer, StreamedAnswer)
 
 
@@ -73,6 +75,7 @@ class _NoSlot:
 
     queue_wait = 0.0
     reclaimed = False
+    lease_lost = False
     on_reclaim = None
     seq = None
     key = None
@@ -290,13 +293,15 @@ class Exchange:
 
     def _timed_out(self, lease: SlotLease | _NoSlot, idle_timeout: float) -> web.StreamResponse:
         host, port = self.url.host, self.url.port
+        if lease.lease_lost:
+            return self._fail(SlotLost, _LEASE_LOST)
         if lease.reclaimed:
             what = upstream_errors.slot_timed_out(host, port, self.settings.slot_timeout)
         else:
             what = upstream_errors.idle(host, port, idle_timeout, self.chunks, self.headers_seen)
         return self._fail(UpstreamTimeout, what)
 
-    def _fail(self, kind: type[UpstreamUnreachable | UpstreamTimeout], what: str) -> web.StreamResponse:
+    def _fail(self, kind: type[UpstreamUnreachable | UpstreamTimeout | SlotLost], what: str) -> web.StreamResponse:
         """Answer with an error that says ``what`` happened upstream (in words, with its host and port), or,
         once bytes reached the client, cut the connection; the log line says the same and which it was."""
         error = kind(upstream_errors.for_provider(self.provider, what))

@@ -392,8 +392,9 @@ class SocketRelay:
 
     async def _timed_out(self, upstream: aiohttp.ClientWebSocketResponse[bool],
                          client: web.WebSocketResponse) -> None:
-        reclaimed = any(response.lease.reclaimed for response in self.in_flight)
-        what = "slot_timeout" if reclaimed else "idle_timeout"
+        leases = [response.lease for response in self.in_flight]
+        what = ("slot lease lost in redis" if any(lease.lease_lost for lease in leases)
+                else "slot_timeout" if any(lease.reclaimed for lease in leases) else "idle_timeout")
         log.warning("provider=%s %s fired on a WebSocket response; both sockets closed (1011)", self.provider, what)
         self._end_all(_TIMED_OUT, "timeout")
         await _quietly(upstream.close(code=WSCloseCode.INTERNAL_ERROR, message=what.encode()))

@@ -81,6 +81,8 @@ class SlotLease(Protocol):
     granted_at: float
     queue_wait: float
     reclaimed: bool
+    lease_lost: bool
+    """Reclaimed because its lease could not be kept in a shared backend (not for slot_timeout)."""
     on_reclaim: Callable[[], None] | None
     key: str | None
     """The pool key this slot was taken on (None without a pool): the relay sends it upstream."""
@@ -107,6 +109,7 @@ class Lease:
         "granted_at",
         "headers_at",
         "key",
+        "lease_lost",
         "model",
         "on_reclaim",
         "priority",
@@ -129,6 +132,7 @@ class Lease:
         self.headers_at: float | None = None
         self.released = False
         self.reclaimed = False
+        self.lease_lost = False
         self.key: str | None = None
         self.model: str | None = None
         self.starred = priority.starred

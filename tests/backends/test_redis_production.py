@@ -92,6 +92,37 @@ async def test_a_primary_killed_under_load_loses_no_request_and_leaks_no_slot(st
 
 
 
+async def test_a_primary_away_longer_than_lease_ttl_keeps_the_slots_held_through_it() -> None:
+    """The primary and its replica hang for longer than lease_ttl (SIGSTOP; with no replica to promote, no
+    failover ends it early). The sentinels see the primary away, so the held slot is kept (its stream would
+    carry on); when the primary is back the scripts bridge the gap, and the slot still counts: a second
+    request waits for its release."""
+    topology = SentinelTopology.start()
+    backend = RedisBackend(sentinel_target(topology), key_prefix=f"away-{os.urandom(4).hex()}", lease_ttl=3)
+    try:
+        await backend.start()
+        backend.configure({"openai": LimiterSettings(limit=1)}, frozenset())
+        await backend.flush()
+        held = await backend.acquire("openai", Priority(prompt_started_at=time.time()))
+        topology.replica.pause()
+        topology.primary.pause()
+        try:
+            await asyncio.sleep(5.0)
+            assert not held.reclaimed, "the slot was given up while the primary was away for every replica"
+        finally:
+            topology.primary.resume()
+            topology.replica.resume()
+        waiting = asyncio.create_task(backend.acquire("openai", Priority(prompt_started_at=time.time())))
+        await asyncio.sleep(2.5)  # two renew rounds on the primary back
+        assert not held.reclaimed, "the slot was lost when the primary came back"
+        assert not waiting.done(), "the slot held through the gap was granted again"
+        held.release()
+        (await asyncio.wait_for(waiting, 5)).release()
+    finally:
+        await backend.close()
+        topology.stop()
+
+
 async def test_a_dead_sentinel_costs_no_time_and_closing_without_redis_is_quick() -> None:
     """redis-py's default retry spends seconds on each dead sentinel (ten tries, backing off to a second):
     the first sentinel dead, the primary is still found at once; with every Redis process gone, closing

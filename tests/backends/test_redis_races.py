@@ -266,6 +266,30 @@ async def test_a_slot_that_cannot_be_renewed_is_given_up_before_it_expires_in_fa
         lease.release()
 
 
+async def test_a_gap_no_replica_reached_redis_through_does_not_expire_the_slots_held_then(one_slot) -> None:
+    """No replica reached Redis for longer than lease_ttl (a primary failing over, a hung host): the first
+    script after the gap pushes the leases alive when it began on by its length instead of reaping them, so
+    the slot still counts; a lease already expired before the gap is reaped as ever."""
+    backend, client = one_slot
+    cfg, leases = backend._keys("p")[:2]
+    held = await backend.acquire("p", prio())
+    now_ms = int(time.time() * 1000)
+    with client.pipeline(transaction=True) as gap:  # one step: the backend's own RENEW must not come between
+        gap.hset(cfg, mapping={"seen": now_ms - 20_000, "seen_ttl": 30_000})
+        gap.zadd(leases, {held.lease_id: now_ms - 500, "expired-before-the-gap": now_ms - 21_000})
+        gap.execute()
+    waiting = asyncio.create_task(backend.acquire("p", prio()))
+    await asyncio.sleep(0.3)
+    assert not waiting.done(), "the held slot was reaped after the gap and granted again"
+    score = client.zscore(leases, held.lease_id)
+    assert score is not None and score > now_ms + 18_000
+    assert client.zscore(leases, "expired-before-the-gap") is None
+    assert int(client.hget(cfg, "gaps_bridged")) == 1
+    assert int(client.hget(cfg, "created_at")) >= now_ms
+    held.release()
+    (await asyncio.wait_for(waiting, 5)).release()
+
+
 async def test_a_replica_starting_just_after_redis_lost_its_data_waits_for_the_slots_others_hold(
         private_redis) -> None:
     """Redis loses its data and a new replica starts before the running one noticed: the newcomer finds

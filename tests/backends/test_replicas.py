@@ -38,7 +38,8 @@ class Replica:
             body = await resp.json()
         return next(p for p in body["providers"] if p["provider"] == provider)
 
-    def stop(self) -> None:
+    def stop(self) -> str:
+        """SIGTERM, and what it logged."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -46,8 +47,11 @@ class Replica:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self.process.stderr:
+        logged = ""
+        if self.process.stderr and not self.process.stderr.closed:
+            logged = self.process.stderr.read()
             self.process.stderr.close()
+        return logged
 
 
 def replica_config(tmp_path: Path, upstream_url: str, prefix: str, *, limit: int = 4, redis_url: str = REDIS_URL,
@@ -283,6 +287,10 @@ async def test_fail_closed_cuts_a_stream_whose_lease_redis_can_no_longer_renew(s
             private_redis.process.send_signal(signal.SIGCONT)
     assert cut_after < 2.0, "cut within 90% of lease_ttl (2 s) of the last renewal"
     await wait_for(lambda: _upstream_idle(upstream), what="the upstream request closed")
+    logged = replica.stop()
+    assert ("provider=openai the slot this answer held was given up: its lease could not be renewed in redis "
+            "before it expired; the client's connection was cut") in logged
+    assert "slot_timeout" not in logged
 
 
 async def _upstream_idle(upstream) -> bool:

@@ -115,6 +115,15 @@ class RedisProcess:
             self.process.wait(timeout=10)
         self.process = None
 
+    def pause(self) -> None:
+        """SIGSTOP: the process holds its data and its connections but answers nothing, as a hung host."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -10,7 +10,8 @@ renew loop doubles as the bounded fallback poll when a message is missed.
 When Redis cannot be reached, ``on_backend_error`` decides: ``fail_closed``
 (new requests wait, then 503 when their queue_timeout passes; a slot whose lease
 could not be renewed for 90% of ``lease_ttl`` is given up before Redis can grant
-it elsewhere) or ``local`` (each replica serves from its own memory limiter with
+it elsewhere, unless the sentinels show the primary away for every replica: a
+failover, which the scripts bridge) or ``local`` (each replica serves from its own memory limiter with
 ``local_limit`` and keeps the streams it has). Either way ``ready()`` is False
 until Redis answers again, and the replica rejoins.
 
@@ -73,7 +74,6 @@ class RedisBackend(SlotKeeper):
         self._local_limit = local_limit
         self._snapshot: dict[str, ProviderStatus] = {}
         self._topology = "single" if isinstance(target, str) else target.topology
-        self._primary: str | None = None
         self.failovers = 0
         self.last_failover_at: int | None = None
         self._fleet_usage = RedisFleetUsage(self._link, self._pending, key_prefix, usage_retention)
@@ -91,6 +91,7 @@ class RedisBackend(SlotKeeper):
         try:
             await self._link.start()
             await self._link.ping()
+            self._primary = await self._link.primary()
             await self.flush()
             await self.refresh()
         except RedisError as exc:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import MasterNotFoundError
 from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
 from redis.exceptions import (
@@ -48,6 +49,8 @@ class Wire(Protocol):
     async def ping(self) -> None: ...
 
     async def primary(self) -> str | None: ...
+
+    async def away_for_all(self, reached: str | None) -> bool: ...
 
     async def close(self) -> None: ...
 
@@ -368,6 +371,7 @@ def moved(error: ResponseError) -> bool:
 
 
 _CONNECTING = re.compile(r"Error (-?\d+) connecting to ([^ ]+?)\.? ")
+_NO_PRIMARY = re.compile(r"No master found for '([^']*)'")
 _ERRNO_WORDS = {"111": "connection refused", "-2": "name not known", "-3": "name not resolved now",
                 "113": "no route to host", "110": "timed out"}
 
@@ -379,6 +383,10 @@ def in_words(error: BaseException) -> str:
     if connecting is not None:
         errno, address = connecting.groups()
         return f"could not connect to {address} ({_ERRNO_WORDS.get(errno, 'error ' + errno)})"
+    if isinstance(error, MasterNotFoundError):
+        service = _NO_PRIMARY.match(message)
+        name = f"service '{service.group(1)}'" if service else "the service"
+        return f"no sentinel names a primary for {name} that answers (a failover may be under way)"
     if isinstance(error, ClusterError):
         return f"the Redis Cluster answered that it is down ({message})"
     if isinstance(error, TimeoutError) or "Timeout" in type(error).__name__:

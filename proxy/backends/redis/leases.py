@@ -30,6 +30,7 @@ __all__ = ["RedisLease", "SlotKeeper"]
 log = logging.getLogger("slotproxy.redis")
 
 _UNCONFIGURED = -2
+_SLOT_TIMEOUT = "slot_timeout"
 _TRANSPORT_ARGS = {"websocket": "ws"}
 """A waiter's transport as the scripts keep it: absent for HTTP (most waiters), ``ws`` for a WebSocket."""
 _RELEARN_SLOTS_AFTER = 0.5
@@ -45,6 +46,7 @@ class RedisLease:
         "granted_at_ms",
         "key",
         "lease_id",
+        "lease_lost",
         "on_reclaim",
         "priority",
         "provider",
@@ -72,6 +74,7 @@ class RedisLease:
         self.renewed_at = asyncio.get_running_loop().time()
         self.released = False
         self.reclaimed = False
+        self.lease_lost = False
 
     def release(self) -> None:
         if self.released:
@@ -85,6 +88,7 @@ class RedisLease:
             return
         log.warning("provider=%s slot %s reclaimed (%s)", self.provider, self.lease_id, why)
         self.reclaimed = True
+        self.lease_lost = why != _SLOT_TIMEOUT
         self.release()
         self._backend._reclaims[self.provider] = self._backend._reclaims.get(self.provider, 0) + 1
         if self.on_reclaim is not None:
@@ -155,6 +159,10 @@ class SlotKeeper(ScriptClient):
         self._local = MemoryBackend(self.clock)
         self._sticky = policy.StickyKeys()
         self._deadlines: Deadlines[_Waiter] = Deadlines(self.clock, self._expire)
+        self._primary: str | None = None
+        """The primary last reached (host:port)."""
+        self._away_seen_at: float | None = None
+        """When the sentinels last showed Redis away for every replica, during this outage."""
         self._watchdogs: dict[str, SlotWatchdog[RedisLease]] = {}
         """This replica's held slots per provider, under slot_timeout (a provider dropped by a reload keeps
         its watchdog for the slots still held)."""
@@ -355,7 +363,7 @@ class SlotKeeper(ScriptClient):
 
     @staticmethod
     def _slot_timed_out(lease: RedisLease) -> None:
-        lease.reclaim("slot_timeout")
+        lease.reclaim(_SLOT_TIMEOUT)
 
     def _resolve(self, waiter_id: str, grant: str, *, picked_up_for: str | None = None) -> None:
         """A grant for one of our waiters.
@@ -427,10 +435,24 @@ class SlotKeeper(ScriptClient):
 
     async def _expiry_loop(self) -> None:
         """fail_closed: a slot whose lease could not be renewed for 90% of ``lease_ttl`` is given up
-        (its stream aborted) before Redis lets it expire and grants it elsewhere."""
+        (its stream aborted) before Redis lets it expire and grants it elsewhere. Unless Redis is away for
+        every replica (a primary failing over): nobody can grant it then, the scripts bridge the gap, and
+        the stream carries on; its time runs again from the moment Redis is back."""
+        loop = asyncio.get_running_loop()
         while not self._closed:
             await asyncio.sleep(self._renew_every / 2)
-            deadline = asyncio.get_running_loop().time() - 0.9 * self._lease_ttl_ms / 1000
+            deadline = loop.time() - 0.9 * self._lease_ttl_ms / 1000
+            if not any(lease.renewed_at < deadline for lease in self._leases.values()):
+                self._away_seen_at = None
+                continue
+            if await self._link.away_for_all(self._primary):
+                if self._away_seen_at is None:
+                    log.warning("redis primary %s is away for the sentinels too: keeping %d held slot(s) until it "
+                                "or a new primary answers", self._primary or "(not reached yet)", len(self._leases))
+                self._away_seen_at = loop.time()
+                continue
+            if self._away_seen_at is not None and self._away_seen_at >= deadline:
+                continue
             for lease in [lease for lease in self._leases.values() if lease.renewed_at < deadline]:
                 lease.reclaim("its lease could not be renewed in redis before it expired")
 

@@ -6,6 +6,7 @@ the one node that holds that tag's slot).
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -25,6 +26,8 @@ from .client import POOL_SIZE, ScriptBatch, connect, packing_in_c, reconnect_onc
 __all__ = ["ClusterLink", "Link", "RedisTarget", "SentinelLink", "SingleLink", "open_link"]
 
 _TIMEOUT = 2.0
+_SENTINEL_PING_LATE_MS = 1500
+"""A sentinel pings the primary every second; a last good reply older than this means the primary is away."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,12 @@ class Link(ABC):
     async def ping(self) -> None:
         await self.redis.ping()
 
+    async def away_for_all(self, reached: str | None) -> bool:
+        """Whether Redis is away for every replica, not only for this one: its primary down (failing over)
+        as a third party sees it, or replaced by a primary other than ``reached`` (the one last reached).
+        Without such a party (one server, a Cluster) this replica cannot tell, and says no."""
+        return False
+
     @abstractmethod
     async def close(self) -> None: ...
 
@@ -158,6 +167,23 @@ class SentinelLink(Link):
         except RedisError:
             return None
         return f"{host}:{port}"
+
+    async def away_for_all(self, reached: str | None) -> bool:
+        """The first sentinel that answers decides: it has not heard the primary for over a ping period and a
+        half (or calls it down), or it names another primary now."""
+        for sentinel in self._sentinel.sentinels:
+            try:
+                masters = await asyncio.wait_for(sentinel.sentinel_masters(), _TIMEOUT)
+            except (RedisError, OSError, TimeoutError):
+                continue
+            state = masters.get(self._service) if isinstance(masters, dict) else None
+            if not isinstance(state, dict):
+                continue
+            named = f"{state.get('ip')}:{state.get('port')}"
+            return bool(state.get("is_sdown") or state.get("is_odown")
+                        or int(state.get("last-ok-ping-reply", 0)) > _SENTINEL_PING_LATE_MS
+                        or (reached is not None and named != reached))
+        return False
 
     async def close(self) -> None:
         await self._batch.close()

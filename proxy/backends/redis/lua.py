@@ -8,7 +8,9 @@ Keys of one provider (``{prefix}:{provider}:...``), always passed in this order:
                 cooldown_ms, configured_cooldown_ms, paused_until,
                 last_reduction_at, last_backoff_at, recovering_notice
                 (a template from the policy), recovery_ms, created_at,
-                settle_until, and the policy's counters (granted, ...)
+                settle_until, seen and seen_ttl (the last RENEW and its
+                lease_ttl), gaps_bridged, and the policy's counters
+                (granted, ...)
  2    leases    zset: lease id (= the waiter id it was granted to) -> expiry
                 (ms); renewed by the holder
  3    cooling   zset: released lease id -> end of its release cooldown (ms)
@@ -30,7 +32,7 @@ the cfg's limit, pause, reduction and budget fields) and ``...:lv:<level>:leases
 it has model caps or a share, waiters are also kept per class
 (``...:q:<pattern>\n<workspace>``, names in the set ``...:classes``) so that a
 full cap never holds up a waiter of another class. These keys are derived from
-``KEYS[1]`` inside the scripts: one Redis server (not Redis Cluster) holds them.
+``KEYS[1]`` inside the scripts and share its hash tag, so one node of a Cluster holds them.
 
 The rules are the policy's (:mod:`proxy.limiter.policy`). What it decides reaches
 the scripts as arguments or settings fields: notice templates (auto-reduced,
@@ -49,6 +51,12 @@ answers -2 and RENEW reports it, and the replica runs CONFIGURE again. A CONFIGU
 that re-creates the provider may hold grants back until ``settle_until``, so every
 replica's RENEW can first put back the leases it still holds (a lease granted
 before ``created_at`` was lost with the data, not expired).
+
+A Redis that no replica reached for over half a lease_ttl (a primary failing over,
+a restart that kept its data) did not let the slots' time run meanwhile: the first
+script after the gap pushes every lease and waiter heartbeat then alive on by the
+gap, and sets ``created_at``, so the holders renew them (or put back a grant the
+new primary never received) instead of losing the streams they carry.
 """
 
 from __future__ import annotations
@@ -158,6 +166,7 @@ local now = now_ms()
 cleanup(now)
 local lease_ttl, waiter_ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local n = tonumber(ARGV[4])
+redis.call('HSET', KEYS[1], 'seen', now, 'seen_ttl', lease_ttl)
 local created = num('created_at', nil)
 local missing, grants, lost = {}, {}, {}
 for i = 5, 4 + n do
@@ -302,6 +311,7 @@ if was_classed ~= layout().classed or had_share ~= (layout().share ~= nil) then
   end
 end
 cleanup(now)
+redis.call('HSET', KEYS[1], 'seen', now, 'seen_ttl', ARGV[5])
 dispatch(now, tonumber(ARGV[5]), ARGV[6])
 return 1
 """

@@ -106,7 +106,25 @@ local function forget_waiter(id)
   redis.call('ZREM', KEYS[6], id)
 end
 
+-- Time stood still for the slots while no replica could reach this Redis (a primary failing over, a restart
+-- that kept its data): nobody could renew then. Leases and waiter heartbeats still alive when the gap began
+-- are pushed on by its length, so their holders renew them instead of losing them; a grant this Redis never
+-- received (made just before the old primary died) is put back by RENEW, as after lost data (created_at).
+-- RENEW (every replica runs it at least every second) and CONFIGURE write 'seen'; a gap is over half a lease_ttl.
+local function bridge_gap(now)
+  local seen, ttl = num('seen', nil), num('seen_ttl', nil)
+  if seen == nil or ttl == nil or now - seen <= ttl / 2 then return end
+  local gap = now - seen
+  for _, zset in ipairs({KEYS[2], KEYS[6]}) do
+    local alive = redis.call('ZRANGEBYSCORE', zset, '(' .. seen, '+inf', 'WITHSCORES')
+    for i = 1, #alive, 2 do redis.call('ZADD', zset, tonumber(alive[i + 1]) + gap, alive[i]) end
+  end
+  redis.call('HSET', KEYS[1], 'seen', now, 'created_at', now)
+  redis.call('HINCRBY', KEYS[1], 'gaps_bridged', 1)
+end
+
 local function cleanup(now)
+  bridge_gap(now)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do drop_lease(id) end
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[6], '-inf', now)) do
