@@ -89,7 +89,11 @@ class ThrottledLog:
             self._write(self._pacer.take(self._clock()))
 
     def _write(self, count: int) -> None:
-        self._logger.log(self._level, self._message + " (%d since the last report)", *self._args, count)
+        """The line; with how many events it stands for when they were more than this one."""
+        if count == 1:
+            self._logger.log(self._level, self._message, *self._args)
+        else:
+            self._logger.log(self._level, self._message + " (%d since the last report)", *self._args, count)
 
     def _schedule_flush(self, delay: float) -> None:
         if self._flush_pending:
