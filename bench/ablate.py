@@ -30,6 +30,7 @@ from common import (
     cpu_seconds,
     free_port,
     log,
+    process_tree,
     run_wrk,
     static_nginx_conf,
     wait_http,
@@ -112,7 +113,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
             proc = procs.start(variant, [sys.executable, __file__, "--serve", variant, "serve", "--config", str(config),
                                          "--port", str(port), "--log-level", "WARNING"])
             wait_http(f"http://{HOST}:{port}/healthz", proc, variant, require_200=False)
-            targets[variant] = (f"http://{HOST}:{port}{PATH_PROXIED}", [proc.pid])
+            targets[variant] = (f"http://{HOST}:{port}{PATH_PROXIED}", process_tree(proc.pid))
         relay_port = free_port()
         ceiling = Path(__file__).with_name("ceiling.py")
         proc = procs.start("relay", [sys.executable, str(ceiling), "--relay", str(relay_port), f"http://{HOST}:{static_port}/"])

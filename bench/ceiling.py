@@ -8,9 +8,10 @@ the gap between slotproxy and the target can be read as "slotproxy's own cost" a
 "what aiohttp itself costs on this machine".
 
 slotproxy runs with its ledger on (``ledger.path`` a file in the run's temp
-folder: one SQLite row per request, written by its writer thread once a
-second) and, paired in the same rounds, with ``ledger: {path: null}``, so the
-ledger's share of the CPU per request is read apart. After the run the rows in
+folder: one SQLite row per request, written by its writer process once a
+second; its CPU is counted with slotproxy's) and, paired in the same rounds,
+with ``ledger: {path: null}``, so the ledger's share of the CPU per request is
+read apart. After the run the rows in
 the ledger file are counted against the requests slotproxy was sent.
 
     python bench/ceiling.py [--rounds 3] [--duration 5]
@@ -41,6 +42,7 @@ from common import (
     missing_tools,
     nginx_version,
     pass_miss_table,
+    process_tree,
     raise_on_sigterm,
     run_loop,
     run_wrk,
@@ -103,8 +105,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, list[tup
         upstream = f"http://{HOST}:{static_port}/"
         targets = {
             "nginx": (f"http://{HOST}:{nginx_port}{PATH_PROXIED}", [ngx.pid, ngx_worker]),
-            "slotproxy": (f"http://{HOST}:{slot_port}{PATH_PROXIED}", [slot]),
-            LEDGER_OFF: (f"http://{HOST}:{off_port}{PATH_PROXIED}", [off]),
+            "slotproxy": (f"http://{HOST}:{slot_port}{PATH_PROXIED}", process_tree(slot)),
+            LEDGER_OFF: (f"http://{HOST}:{off_port}{PATH_PROXIED}", process_tree(off)),
             "aiohttp ×1": start_relays(procs, "relay1", 1, upstream),
             "aiohttp ×2": start_relays(procs, "relay2", 2, upstream),
         }

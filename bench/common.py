@@ -333,6 +333,15 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (slotproxy's ledger writer)."""
+    tree, index = [pid], 0
+    while index < len(tree):
+        tree.extend(children_of(tree[index]))
+        index += 1
+    return tree
+
+
 def rss_kib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

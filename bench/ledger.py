@@ -1,11 +1,10 @@
 """Event-loop lag while the ledger writes: how late a 1 ms timer fires with N rows a second being recorded.
 
-The ledger's event-loop side is an append to a list; its writer thread takes
-what has gathered once a second and writes it in one transaction. The thread
-shares the GIL with the event loop, so what it does in Python (turning rows
-into tuples, binding each row's parameters in ``executemany``) can hold the
-loop back even though no I/O happens on the loop. This measures that, in one
-process per run and nothing else on its loop:
+The ledger's event-loop side is an append to a list; once a second what has
+gathered is pickled to the writer, a process of its own, which writes it in
+one transaction. What is left on the loop's side is building the rows and
+pickling each second's batch to the writer's pipe. This measures the lag that
+causes, in one process per run and nothing else on its loop:
 
 - a producer task records ``--rates`` rows a second (realistic ``LedgerRow``
   values: a few providers, keys, models and workspaces, 200 conversations,
@@ -19,27 +18,16 @@ process per run and nothing else on its loop:
 Each run is its own process (a fresh heap, a fresh database file), the runs
 interleaved by round. Per rate and variant it prints the lateness p50/p99/max
 (over all probe samples of the run; median over rounds and their range), the
-rows recorded, written (counted in the file after ``close``) and dropped, the
-writer's batch write time p50/p99 (``Ledger._write``, wall) and its thread's
-CPU per batch, how many of the samples over 2 ms overlapped a batch write or a
+rows recorded, written (counted in the file after ``close``) and dropped, each
+batch's write time p50/p99 (``Ledger.flush``, wall, as the loop waits for it:
+pickling, the writer's transaction and the answer) and the writer process's CPU
+per batch, how many of the samples over 2 ms overlapped a batch write or a
 garbage-collection stop, and the collector's stops over 1 ms. Target: p99 ≤ 2 ms
 at 2 000 rows/s. ``--busy 0.5`` also keeps the loop half busy with Python work
 in 0.1 ms slices, as a proxy relaying requests is.
 
-Diagnostic variants (``--variants``), each a stand-in for ``Ledger._write`` in
-the measured process only, to show where the lag comes from:
-
-- ``tuples``: rows made into tuples by ``operator.attrgetter`` instead of
-  ``dataclasses.astuple`` (which deep-copies every field, ~26 µs a row);
-- ``sub``: as shipped, but converted and inserted ``--sub-batch`` rows at a
-  time, the thread sleeping 0.2 ms between sub-batches (same transaction), to
-  hand the loop the GIL between them;
-- ``switch``: as shipped, with ``sys.setswitchinterval(0.001)`` (the default
-  is 5 ms: how long a thread waiting for the GIL waits before it asks for it).
-
     python bench/ledger.py [--rounds 3] [--duration 10] [--rates 2000,10000] [--variants off,on]
                            [--busy 0.5] [--loop asyncio]
-    python bench/ledger.py --variants off,on,tuples,sub,switch --sub-batch 100
 """
 
 from __future__ import annotations
@@ -49,7 +37,7 @@ import asyncio
 import gc
 import json
 import math
-import operator
+import os
 import random
 import sqlite3
 import statistics
@@ -58,7 +46,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import (
     Spread,
+    children_of,
     command_line,
+    cpu_seconds,
     log,
     machine_note,
     pass_miss_table,
@@ -74,15 +63,11 @@ from common import (
     run_loop,
 )
 
-from proxy.ledger import store as ledger_module
-from proxy.ledger.store import COLUMNS, Ledger, LedgerRow
+from proxy.ledger.store import Ledger, LedgerRow
 
 VARIANTS = {
     "off": "`ledger: {path: null}` (the baseline: the producer and the probe alone)",
     "on": "the ledger as shipped",
-    "tuples": "stand-in: rows made tuples by attrgetter, not astuple",
-    "sub": "stand-in: as shipped, in sub-batches with a 0.2 ms sleep between",
-    "switch": "as shipped, with sys.setswitchinterval(0.001)",
 }
 TARGET_P99_MS = 2.0
 TARGET_RATE = 2000
@@ -123,54 +108,29 @@ def row_templates(count: int, seed: int = 7) -> list[tuple[Any, ...]]:
     return templates
 
 
-_ROW_TUPLE = operator.attrgetter(*COLUMNS)
+def timed_writes(ledger: Ledger, writes: list[tuple[float, float, int]]) -> None:
+    """Wrap the ledger's batch write: (start, end, rows) of each, on ``perf_counter``'s clock."""
+    flush = ledger._flush
 
-
-class StandIn(Ledger):
-    """A Ledger whose batch write is one of the diagnostic variants' (in this process only)."""
-
-    def __init__(self, path: Path, variant: str, sub_batch: int) -> None:
-        super().__init__(path, RETENTION)
-        self.variant = variant
-        self.sub_batch = sub_batch
-
-    def _write(self, batch: list[LedgerRow]) -> None:
-        if self.variant not in ("tuples", "sub"):
-            super()._write(batch)
-            return
-        connection = self._connected()
-        with connection:
-            connection.execute("BEGIN")
-            if self.variant == "tuples":
-                connection.executemany(ledger_module._INSERT, [_ROW_TUPLE(row) for row in batch])
-            else:
-                for start in range(0, len(batch), self.sub_batch):
-                    if start:
-                        time.sleep(0.0002)
-                    connection.executemany(ledger_module._INSERT,
-                                           [astuple(row) for row in batch[start:start + self.sub_batch]])
-
-
-def timed_writes(ledger: Ledger, writes: list[tuple[float, float, float, int]]) -> None:
-    """Wrap the ledger's batch write: (start, end, thread CPU, rows) of each, on ``perf_counter``'s clock."""
-    write = ledger._write
-
-    def timed(batch: list[LedgerRow]) -> None:
-        cpu, start = time.thread_time(), time.perf_counter()
+    async def timed() -> None:
+        rows, start = len(ledger._pending), time.perf_counter()
         try:
-            write(batch)
+            await flush()
         finally:
-            writes.append((start, time.perf_counter(), time.thread_time() - cpu, len(batch)))
+            if rows:
+                writes.append((start, time.perf_counter(), rows))
 
-    ledger._write = timed  # type: ignore[method-assign]
+    ledger._flush = timed  # type: ignore[method-assign]
 
 
-async def one_run(variant: str, rate: int, duration: float, path: Path, sub_batch: int,
-                  busy: float) -> dict[str, Any]:
-    if variant == "switch":
-        sys.setswitchinterval(0.001)
-    ledger: Ledger = Ledger(None, RETENTION) if variant == "off" else StandIn(path, variant, sub_batch)
-    writes: list[tuple[float, float, float, int]] = []
+def writer_cpu_seconds() -> float:
+    """CPU of this process's children: the ledger's writer."""
+    return cpu_seconds(children_of(os.getpid()))
+
+
+async def one_run(variant: str, rate: int, duration: float, path: Path, busy: float) -> dict[str, Any]:
+    ledger = Ledger(None if variant == "off" else path, RETENTION)
+    writes: list[tuple[float, float, int]] = []
     timed_writes(ledger, writes)
     await ledger.start()
     templates = row_templates(5000)
@@ -230,11 +190,13 @@ async def one_run(variant: str, rate: int, duration: float, path: Path, sub_batc
     writes.clear()
     collections.clear()
     recorded_before = recorded
+    writer_cpu = writer_cpu_seconds()
     probing = asyncio.create_task(probe())
     await asyncio.sleep(duration)
     stop.set()
     await asyncio.gather(producer, probing, *([burner] if burner else []))
     measured_writes = list(writes)
+    writer_cpu = writer_cpu_seconds() - writer_cpu
     measured_collections = list(collections)
     gc.callbacks.remove(on_gc)
     await ledger.close()
@@ -245,7 +207,7 @@ async def one_run(variant: str, rate: int, duration: float, path: Path, sub_batc
     late = [(end, lateness) for end, lateness in samples if lateness * 1000 > LATE_MS]
     during = sum(1 for end, lateness in late
                  if any(w_start <= end and w_end >= end - lateness - PROBE_SLEEP
-                        for w_start, w_end, _, _ in measured_writes))
+                        for w_start, w_end, _ in measured_writes))
     during_gc = sum(1 for end, lateness in late
                     if any(g_start <= end and g_end >= end - lateness - PROBE_SLEEP and g_end - g_start > 0.001
                            for _, g_start, g_end in measured_collections))
@@ -260,10 +222,9 @@ async def one_run(variant: str, rate: int, duration: float, path: Path, sub_batc
         "written": written, "dropped": ledger.dropped,
         "batches": len(measured_writes),
         "batch_rows": statistics.median([rows for *_, rows in measured_writes]) if measured_writes else float("nan"),
-        "write_p50_ms": pct([(e - s) * 1000 for s, e, _, _ in measured_writes], 50),
-        "write_p99_ms": pct([(e - s) * 1000 for s, e, _, _ in measured_writes], 99),
-        "write_cpu_ms": statistics.median([c * 1000 for _, _, c, _ in measured_writes]) if measured_writes
-        else float("nan"),
+        "write_p50_ms": pct([(e - s) * 1000 for s, e, _ in measured_writes], 50),
+        "write_p99_ms": pct([(e - s) * 1000 for s, e, _ in measured_writes], 99),
+        "write_cpu_ms": writer_cpu * 1000 / len(measured_writes) if measured_writes else float("nan"),
     }
 
 
@@ -273,7 +234,7 @@ async def one_run(variant: str, rate: int, duration: float, path: Path, sub_batc
 def run_one(variant: str, rate: int, args: argparse.Namespace, workdir: Path, number: int) -> dict[str, Any]:
     path = workdir / f"ledger-{variant}-{rate}-{number}.sqlite"
     argv = [sys.executable, __file__, "--one", variant, str(rate), str(args.duration), str(path),
-            str(args.sub_batch), str(args.busy), args.loop]
+            str(args.busy), args.loop]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=args.duration + 120, check=False)
     for line in done.stdout.splitlines():
         if line.startswith("BENCHJSON "):
@@ -319,7 +280,7 @@ def report(results: dict[tuple[int, str], list[dict[str, Any]]], args: argparse.
         "",
         ("| rows/s | variant | lateness p50 ms | p99 ms | max ms | samples > 2 ms, share (during a write / a GC stop) "
          "| GC stops > 1 ms (longest ms) | rows written / recorded | dropped | batch rows | batch write p50 ms "
-         "| p99 ms | writer CPU / batch ms |"),
+         "| p99 ms | writer process CPU / batch ms |"),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (rate, variant), runs in results.items():
@@ -355,7 +316,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="rows recorded a second, comma-separated (default 2000,10000)")
     parser.add_argument("--variants", default=["off", "on"], type=lambda text: text.split(","),
                         help=f"comma-separated, of {', '.join(VARIANTS)} (default off,on)")
-    parser.add_argument("--sub-batch", type=int, default=100, help="rows per sub-batch of the `sub` variant")
     parser.add_argument("--busy", type=float, default=0.0,
                         help="share of the loop's time spent in Python work beside the probe, in 0.1 ms slices "
                              "(default 0: an idle loop; 0.5: a proxy half busy)")
@@ -365,17 +325,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = set(args.variants) - set(VARIANTS)
     if unknown:
         parser.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
-    if args.rounds < 1 or args.duration <= 0 or args.sub_batch < 1 or min(args.rates) < 1 \
-            or not 0 <= args.busy < 1:
-        parser.error("--rounds, --sub-batch and --rates >= 1, --duration > 0, 0 <= --busy < 1")
+    if args.rounds < 1 or args.duration <= 0 or min(args.rates) < 1 or not 0 <= args.busy < 1:
+        parser.error("--rounds and --rates >= 1, --duration > 0, 0 <= --busy < 1")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--one"]:
-        variant, rate, duration, path, sub_batch, busy, loop = argv[1:8]
-        coro = one_run(variant, int(rate), float(duration), Path(path), int(sub_batch), float(busy))
+        variant, rate, duration, path, busy, loop = argv[1:7]
+        coro = one_run(variant, int(rate), float(duration), Path(path), float(busy))
         figures = run_loop(coro) if loop == "uvloop" else asyncio.run(coro)
         print("BENCHJSON " + json.dumps(figures), flush=True)
         return 0

@@ -82,6 +82,7 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     nginx_version,
     pass_miss_table,
     pct,
+    process_tree,
     raise_nofile,
     raise_on_sigterm,
     rss_kib,
@@ -390,7 +391,7 @@ def start_servers(procs: Processes) -> Setup:
     upstream = [static.pid, static_worker]
     targets = {
         "direct": Target("direct", f"http://{HOST}:{static_port}{PATH_DIRECT}", [], upstream),
-        "slotproxy": Target("slotproxy", f"http://{HOST}:{slot_port}{PATH_PROXIED}", [slot.pid], upstream),
+        "slotproxy": Target("slotproxy", f"http://{HOST}:{slot_port}{PATH_PROXIED}", process_tree(slot.pid), upstream),
         "nginx": Target("nginx", f"http://{HOST}:{nginx_port}{PATH_PROXIED}", [ngx.pid, ngx_worker], upstream),
     }
     sse_port = free_port()
@@ -406,7 +407,7 @@ def start_servers(procs: Processes) -> Setup:
                                       f"http://{HOST}:{fake_port}/v1/"])
     wait_http(f"http://{HOST}:{relay_port}/sse/", relay, "sse-relay", require_200=False)
     sse_urls["aiohttp"] = f"http://{HOST}:{relay_port}/sse/chat/completions"
-    sse_pids = {"direct": [], "slotproxy": [slot.pid], "nginx": [ngx_sse.pid, ngx_sse_worker],
+    sse_pids = {"direct": [], "slotproxy": process_tree(slot.pid), "nginx": [ngx_sse.pid, ngx_sse_worker],
                 "aiohttp": [relay.pid]}
     return Setup(targets, sse_urls, sse_pids)
 

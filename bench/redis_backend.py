@@ -126,6 +126,7 @@ from common import (  # bench/common.py: this directory is sys.path[0] when run 
     nginx_version,
     pass_miss_table,
     pct,
+    process_tree,
     raise_nofile,
     raise_on_sigterm,
     read_to_done,
@@ -483,9 +484,10 @@ class WrkRun:
 
 def measure_wrk(url: str, pid: int, redis_cpu: Callable[[], float], conns: int, duration: float,
                 lua: Path) -> WrkRun:
-    proxy_before, redis_before = cpu_seconds([pid]), redis_cpu()
+    pids = process_tree(pid)
+    proxy_before, redis_before = cpu_seconds(pids), redis_cpu()
     figures = WrkFigures.of(run_wrk(url, conns, duration, lua))
-    proxy_used, redis_used = cpu_seconds([pid]) - proxy_before, redis_cpu() - redis_before
+    proxy_used, redis_used = cpu_seconds(pids) - proxy_before, redis_cpu() - redis_before
     requests = max(figures.requests, 1)
     return WrkRun(
         rps=figures.rps,

@@ -92,6 +92,7 @@ from common import (
     machine_note,
     pass_miss_table,
     pct,
+    process_tree,
     raise_on_sigterm,
     rss_kib,
     run_loop,
@@ -308,9 +309,10 @@ async def cpu_run(session: aiohttp.ClientSession, relay: Relay, args: argparse.N
     sockets = await open_sockets(session, relay.url, args.sockets, args.deflate)
     frame = create_frame(args.chunks, args.delay_ms)
     try:
-        before, started = cpu_seconds([relay.proc.pid]), time.perf_counter()
+        pids = process_tree(relay.proc.pid)
+        before, started = cpu_seconds(pids), time.perf_counter()
         replies = await each_respond(sockets, frame, args.responses)
-        cpu, wall = cpu_seconds([relay.proc.pid]) - before, time.perf_counter() - started
+        cpu, wall = cpu_seconds(pids) - before, time.perf_counter() - started
     finally:
         await close_sockets(sockets)
     frames = sum(reply.events for reply in replies) + len(replies)

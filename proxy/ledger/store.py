@@ -1,24 +1,25 @@
 """The ledger: one row per request that reached routing, in an embedded SQLite database.
 
-The event loop only appends a row to a list (no I/O, no lock). One writer
-thread takes what has gathered at most once a second and writes it in one
-transaction (WAL mode, so readers never wait for it); the same thread deletes
-rows older than ``retention`` once an hour and answers the usage queries, so
-the database is only ever touched from that thread.
+The event loop only appends a row to a list (no I/O, no lock). At most once a
+second what has gathered goes to the writer, a process of its own
+(:mod:`proxy.ledger.writer`), which writes it in one transaction (WAL mode, so
+readers never wait for it), deletes rows older than ``retention`` once an hour
+and answers the usage queries, so the database is only ever touched there.
 
-A ledger that cannot be written (disk full, file locked, folder gone) never
-fails or delays a request: the rows of a failed write are dropped and counted,
-and the failure is logged at most once a minute. What is pending at shutdown is
-written before the process exits.
+A ledger that cannot be written (disk full, file locked, folder gone, the writer
+process killed) never fails or delays a request: the rows of a failed write are
+dropped and counted, and the failure is logged at most once a minute. What is
+pending at shutdown is written before the process exits.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import itertools
+import contextlib
 import logging
-import sqlite3
+import os
+import pickle
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,33 +27,24 @@ from typing import Any, NamedTuple
 
 from ..aio import cancel_and_wait
 from ..logs import ThrottledLog
+from .writer import COLUMNS, TOKEN_COLUMNS, write_frame
 
-__all__ = ["COLUMNS", "OUTCOMES", "TOKEN_COLUMNS", "Ledger", "LedgerRow"]
+__all__ = ["COLUMNS", "OUTCOMES", "TOKEN_COLUMNS", "Ledger", "LedgerRow", "LedgerWriteError"]
 
 log = logging.getLogger("slotproxy.ledger")
 
-TOKEN_COLUMNS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
-COLUMNS = ("ended_at", "provider", "key", "model", "workspace", "starred", "conversation", "transport", "status",
-           "outcome", "queue_ms", "ttfb_ms", "duration_ms", *TOKEN_COLUMNS, "retries")
 OUTCOMES = ("ok", "client_gone", "upstream_error", "timeout", "rejected")
-_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS requests (
-    ended_at INTEGER NOT NULL, provider TEXT NOT NULL, key TEXT, model TEXT, workspace TEXT NOT NULL,
-    starred INTEGER NOT NULL, conversation TEXT, transport TEXT NOT NULL, status INTEGER NOT NULL,
-    outcome TEXT NOT NULL, queue_ms INTEGER NOT NULL, ttfb_ms INTEGER, duration_ms INTEGER NOT NULL,
-    {", ".join(f"{name} INTEGER" for name in TOKEN_COLUMNS)}, retries INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS requests_ended_at ON requests (ended_at);
-"""
-_INSERT = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
-_ROWS_PER_INSERT = 50
-"""Rows one INSERT statement carries: the writer gives the GIL back and takes it again around each statement, so
-a second's batch is a few dozen statements, not a thousand (the event loop waits for the GIL each time)."""
-_INSERT_MANY = _INSERT + f", ({', '.join('?' * len(COLUMNS))})" * (_ROWS_PER_INSERT - 1)
 _FLUSH_EVERY = 1.0
-_PRUNE_EVERY = 3600.0
 _MAX_PENDING = 200_000
 """Rows kept waiting while the writer is behind; past this the newest are dropped (and counted)."""
 _FAILURE_LOG_EVERY = 60.0
+_WRITER_EXIT_WAIT = 5.0
+_LENGTH = 4
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+class LedgerWriteError(Exception):
+    """The writer could not do what it was asked; the message says what happened, in words."""
 
 
 class LedgerRow(NamedTuple):
@@ -90,10 +82,10 @@ class Ledger:
         self._on_dropped = on_dropped
         self._clock = clock
         self._pending: list[LedgerRow] = []
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._connection: sqlite3.Connection | None = None
+        self._writer: asyncio.subprocess.Process | None = None
+        self._talking = asyncio.Lock()
+        self._started = False
         self._task: asyncio.Task[None] | None = None
-        self._pruned_at = 0.0
         self._failures = ThrottledLog(log, logging.ERROR, f"the ledger at {path} could not be written (%s): %d "
                                       "row(s) dropped so far; requests are served as usual",
                                       interval=_FAILURE_LOG_EVERY)
@@ -112,53 +104,93 @@ class Ledger:
         self._pending.append(row)
 
     async def start(self) -> None:
-        """Open the database (in the writer thread) and start writing; an unwritable ledger is logged and its
-        rows dropped, never fatal."""
+        """Start the writer and open the database there; an unwritable ledger is logged and its rows dropped,
+        never fatal."""
         if self.path is None:
             return
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="slotproxy-ledger")
+        self._started = True
         try:
-            await self._in_writer(self._open)
-        except (sqlite3.Error, OSError) as exc:
-            self._failures.event(_words(exc), self.dropped)
+            await self._ask(("open",))
+        except LedgerWriteError as exc:
+            self._failures.event(str(exc), self.dropped)
         self._task = asyncio.get_running_loop().create_task(self._write_every_second())
 
     async def close(self) -> None:
-        """Write what is pending (SIGTERM), then close the database."""
-        if self._executor is None:
+        """Write what is pending (SIGTERM), then end the writer (it closes the database)."""
+        if not self._started:
             return
+        self._started = False
         await cancel_and_wait(self._task)
         self._task = None
-        await self.flush()
-        await self._in_writer(self._close)
-        self._executor.shutdown(wait=True)
-        self._executor = None
+        await self._flush()
+        async with self._talking:
+            await self._end_writer()
 
     async def flush(self) -> None:
         """Write the rows gathered so far (a test's or shutdown's; the loop does it every second)."""
-        batch, self._pending = self._pending, []
-        if not batch or self._executor is None:
-            return
-        try:
-            await self._in_writer(self._write, batch)
-        except (sqlite3.Error, OSError) as exc:
-            self._drop(len(batch), _words(exc))
+        if self._started:
+            await self._flush()
 
     async def query(self, sql: str, parameters: Sequence[Any]) -> list[tuple[Any, ...]]:
-        """Run a read in the writer thread (after what is pending is written)."""
-        if self.path is None or self._executor is None:
+        """Run a read in the writer (after what is pending is written); nothing when it cannot be read."""
+        if not self._started:
             return []
-        await self.flush()
-        return await self._in_writer(self._read, sql, parameters)
+        await self._flush()
+        try:
+            rows: list[tuple[Any, ...]] = await self._ask(("read", sql, list(parameters)))
+        except LedgerWriteError as exc:
+            log.warning("the ledger at %s could not be read (%s)", self.path, exc)
+            return []
+        return rows
+
+    async def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            # plain tuples: pickled several times faster than the named ones
+            await self._ask(("write", [tuple(row) for row in batch], self._clock(), self.retention))
+        except LedgerWriteError as exc:
+            self._drop(len(batch), str(exc))
 
     async def _write_every_second(self) -> None:
         while True:
             await asyncio.sleep(_FLUSH_EVERY)
-            await self.flush()
+            await self._flush()
 
-    async def _in_writer(self, job: Callable[..., Any], *args: Any) -> Any:
-        assert self._executor is not None
-        return await asyncio.get_running_loop().run_in_executor(self._executor, job, *args)
+    async def _ask(self, request: tuple[Any, ...]) -> Any:
+        """One request to the writer and its answer; a writer that is gone is started again for the next."""
+        async with self._talking:
+            writer = self._writer
+            try:
+                if writer is None:
+                    writer = self._writer = await _start_writer(self.path)
+                assert writer.stdin is not None and writer.stdout is not None
+                writer.stdin.write(write_frame(request))
+                await writer.stdin.drain()
+                size = int.from_bytes(await writer.stdout.readexactly(_LENGTH), "big")
+                kind, result = _unpickle(await writer.stdout.readexactly(size))
+            except (OSError, asyncio.IncompleteReadError):
+                if writer is not None:
+                    await self._end_writer()
+                raise LedgerWriteError("the ledger's writer process ended unexpectedly") from None
+            if kind != "ok":
+                raise LedgerWriteError(result)
+            return result
+
+    async def _end_writer(self) -> None:
+        """Close the writer's stdin (it ends there), wait for it, kill it if it does not end."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        if writer.stdin is not None:
+            writer.stdin.close()
+        try:
+            await asyncio.wait_for(writer.wait(), _WRITER_EXIT_WAIT)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                writer.kill()
+            await writer.wait()
 
     def _drop(self, count: int, why: str) -> None:
         self.dropped += count
@@ -166,53 +198,15 @@ class Ledger:
             self._on_dropped(count)
         self._failures.event(why, self.dropped)
 
-    # ----- in the writer thread ----------------------------------------------------------------
 
-    def _open(self) -> None:
-        assert self.path is not None
-        connection = sqlite3.connect(self.path, timeout=0.5, isolation_level=None, check_same_thread=True)
-        try:
-            connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("PRAGMA synchronous=NORMAL")
-            connection.executescript(_SCHEMA)
-        except sqlite3.Error:
-            connection.close()
-            raise
-        self._connection = connection
-
-    def _connected(self) -> sqlite3.Connection:
-        if self._connection is None:
-            self._open()
-        assert self._connection is not None
-        return self._connection
-
-    def _write(self, batch: list[LedgerRow]) -> None:
-        connection = self._connected()
-        with connection:
-            connection.execute("BEGIN")
-            whole = len(batch) - len(batch) % _ROWS_PER_INSERT
-            for start in range(0, whole, _ROWS_PER_INSERT):
-                connection.execute(_INSERT_MANY, tuple(itertools.chain.from_iterable(
-                    batch[start:start + _ROWS_PER_INSERT])))
-            if whole < len(batch):
-                connection.executemany(_INSERT, batch[whole:])
-        now = self._clock()
-        if now - self._pruned_at >= _PRUNE_EVERY:
-            self._pruned_at = now
-            with connection:
-                connection.execute("DELETE FROM requests WHERE ended_at < ?", (int((now - self.retention) * 1000),))
-
-    def _read(self, sql: str, parameters: Sequence[Any]) -> list[tuple[Any, ...]]:
-        return list(self._connected().execute(sql, tuple(parameters)))
-
-    def _close(self) -> None:
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
+async def _start_writer(path: Path | None) -> asyncio.subprocess.Process:
+    """``python -m proxy.ledger.writer PATH`` with this interpreter, finding this copy of the package."""
+    search = [str(_PACKAGE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.ledger.writer", str(path), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(search)})
 
 
-def _words(exc: BaseException) -> str:
-    """An SQLite or OS error in words (its message), never a class name alone."""
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror.lower()
-    return str(exc) or "unknown error"
+def _unpickle(payload: bytes) -> tuple[str, Any]:
+    kind, result = pickle.loads(payload)
+    return kind, result

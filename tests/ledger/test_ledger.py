@@ -4,7 +4,11 @@ report's queries and the fleet's hourly encoding."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +18,7 @@ from proxy.errors import AdminError
 from proxy.ledger.fleet import FleetUsage, usage_key
 from proxy.ledger.report import answer, parse_query, queue_median_sql, totals_sql
 from proxy.ledger.store import COLUMNS, Ledger, LedgerRow
+from proxy.ledger.writer import read_frame, write_frame
 
 NOW_MS = 1_800_000_123_456
 
@@ -103,14 +108,14 @@ def test_the_query_is_validated_naming_the_parameter() -> None:
 
 def test_the_report_groups_sums_and_sorts_by_tokens() -> None:
     connection = sqlite3.connect(":memory:")
-    from proxy.ledger.store import _INSERT, _SCHEMA
+    from proxy.ledger.writer import INSERT, SCHEMA
 
-    connection.executescript(_SCHEMA)
+    connection.executescript(SCHEMA)
     rows = [row(workspace="web", queue_ms=10), row(workspace="web", queue_ms=30, output_tokens=80),
             row(workspace="web", queue_ms=20), row(workspace="docs", input_tokens=5000),
             row(workspace="docs", status=429), row(workspace="docs", status=200, input_tokens=None,
                                                   cached_input_tokens=None, output_tokens=None)]
-    connection.executemany(_INSERT, [tuple(vars_of(r)) for r in rows])
+    connection.executemany(INSERT, [tuple(vars_of(r)) for r in rows])
     query = parse_query({"since": str(NOW_MS - 1), "until": str(NOW_MS + 1)}, NOW_MS)
     doc = answer(query, connection.execute(*totals_sql(query)), connection.execute(*queue_median_sql(query)),
                  "replica")
@@ -159,3 +164,59 @@ async def test_a_batch_of_any_size_is_written_whole_in_order(tmp_path: Path) -> 
         ledger.record(entry)
     await ledger.close()
     assert [tuple(r.values()) for r in table(path)] == [tuple(entry) for entry in written]
+
+
+def writer_pid(ledger: Ledger) -> int:
+    assert ledger._writer is not None
+    return ledger._writer.pid
+
+
+async def test_a_writer_process_that_dies_costs_its_batch_and_the_next_one_is_written(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The writer is a process of its own: killed (the OOM killer, a stray kill), the batch sent to it is
+    dropped and counted, one line says so in words, and a new writer takes the next batch."""
+    path = tmp_path / "ledger.sqlite"
+    ledger = Ledger(path, retention=86400)
+    await ledger.start()
+    ledger.record(row(ended_at=NOW_MS - 3))
+    await ledger.flush()
+    os.kill(writer_pid(ledger), signal.SIGKILL)
+    ledger.record(row(ended_at=NOW_MS - 2))
+    with caplog.at_level(logging.ERROR, logger="slotproxy.ledger"):
+        await ledger.flush()
+    assert ledger.dropped == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        (f"the ledger at {path} could not be written (the ledger's writer process ended unexpectedly): 1 row(s) "
+         "dropped so far; requests are served as usual")]
+    ledger.record(row(ended_at=NOW_MS - 1))
+    await ledger.close()
+    assert [r["ended_at"] for r in table(path)] == [NOW_MS - 3, NOW_MS - 1]
+
+
+async def test_ctrl_c_and_sigterm_to_the_process_group_leave_the_writer_to_the_proxy(tmp_path: Path) -> None:
+    """SIGINT and SIGTERM reach every process of a terminal's group: the writer leaves them to the proxy,
+    which writes what is pending at shutdown and then ends it."""
+    path = tmp_path / "ledger.sqlite"
+    ledger = Ledger(path, retention=86400)
+    await ledger.start()
+    writer = ledger._writer
+    assert writer is not None
+    os.kill(writer.pid, signal.SIGINT)
+    os.kill(writer.pid, signal.SIGTERM)
+    ledger.record(row())
+    await ledger.close()
+    assert ledger.dropped == 0 and len(table(path)) == 1
+    assert writer.returncode == 0
+
+
+def test_the_writer_never_outlives_the_proxy(tmp_path: Path) -> None:
+    """However the proxy ends (SIGKILL included), the writer's stdin closes with it, and the writer ends."""
+    writer = subprocess.Popen([sys.executable, "-m", "proxy.ledger.writer", str(tmp_path / "ledger.sqlite")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert writer.stdin is not None and writer.stdout is not None
+    writer.stdin.write(write_frame(("open",)))
+    writer.stdin.flush()
+    assert read_frame(writer.stdout) == ("ok", None)
+    writer.stdin.close()
+    assert writer.wait(timeout=5) == 0
+    writer.stdout.close()
