@@ -153,6 +153,9 @@ class SlotLost(ProxyError):
 
     status, code = 503, "backend_unavailable"
 
+    def __init__(self, message: str, *, retry_after: float | None = 1.0) -> None:
+        super().__init__(message, retry_after=retry_after)
+
 
 class WebSocketUnsupported(ProxyError):
     """A WebSocket upgrade the proxy cannot serve: 426 makes clients such as Codex use HTTP at once, where

@@ -393,9 +393,12 @@ class SocketRelay:
     async def _timed_out(self, upstream: aiohttp.ClientWebSocketResponse[bool],
                          client: web.WebSocketResponse) -> None:
         leases = [response.lease for response in self.in_flight]
-        what = ("slot lease lost in redis" if any(lease.lease_lost for lease in leases)
-                else "slot_timeout" if any(lease.reclaimed for lease in leases) else "idle_timeout")
-        log.warning("provider=%s %s fired on a WebSocket response; both sockets closed (1011)", self.provider, what)
+        if any(lease.lease_lost for lease in leases):
+            what, why = "slot lease lost", "a response's slot was given up (its lease could not be renewed in redis)"
+        else:
+            what = "slot_timeout" if any(lease.reclaimed for lease in leases) else "idle_timeout"
+            why = f"{what} fired on a WebSocket response"
+        log.warning("provider=%s %s; both sockets closed (1011)", self.provider, why)
         self._end_all(_TIMED_OUT, "timeout")
         await _quietly(upstream.close(code=WSCloseCode.INTERNAL_ERROR, message=what.encode()))
         await _quietly(client.close(code=WSCloseCode.INTERNAL_ERROR, message=what.encode()))

@@ -148,6 +148,9 @@ class SlotKeeper(ScriptClient):
         self._lease_ttl_ms = int(lease_ttl * 1000)
         self._waiter_ttl_ms = max(3000, self._lease_ttl_ms)
         self._renew_every = max(0.05, min(lease_ttl / 3, 1.0))
+        self._expiry_every = min(self._renew_every / 2, 0.05 * lease_ttl)
+        """How often held slots are checked for a lease that could not be renewed: a slot is given up at 90% of
+        ``lease_ttl`` and this late at most, still before Redis could let its lease expire."""
         self._settings: dict[str, LimiterSettings] = {}
         self._configured: set[str] = set()
         self._starred: frozenset[str] = frozenset()
@@ -434,27 +437,36 @@ class SlotKeeper(ScriptClient):
                 continue
 
     async def _expiry_loop(self) -> None:
-        """fail_closed: a slot whose lease could not be renewed for 90% of ``lease_ttl`` is given up
-        (its stream aborted) before Redis lets it expire and grants it elsewhere. Unless Redis is away for
-        every replica (a primary failing over): nobody can grant it then, the scripts bridge the gap, and
-        the stream carries on; its time runs again from the moment Redis is back."""
+        """fail_closed: a slot whose lease could not be renewed for 90% of ``lease_ttl`` is given up (its
+        stream aborted) before Redis lets it expire and grants it elsewhere. Unless Redis is away for every
+        replica (a primary failing over): nobody can grant it then, the scripts bridge the gap, and the
+        stream carries on; its time runs again from the last moment the sentinels showed Redis away. They
+        are asked from half a ``lease_ttl`` without a renewal on, in the background, so their answer is
+        there by the time it is needed and a slow one never delays giving a slot up."""
         loop = asyncio.get_running_loop()
+        ttl = self._lease_ttl_ms / 1000
+        asking: asyncio.Task[None] | None = None
         while not self._closed:
-            await asyncio.sleep(self._renew_every / 2)
-            deadline = loop.time() - 0.9 * self._lease_ttl_ms / 1000
-            if not any(lease.renewed_at < deadline for lease in self._leases.values()):
+            await asyncio.sleep(self._expiry_every)
+            now = loop.time()
+            if not any(lease.renewed_at < now - 0.5 * ttl for lease in self._leases.values()):
                 self._away_seen_at = None
                 continue
-            if await self._link.away_for_all(self._primary):
-                if self._away_seen_at is None:
-                    log.warning("redis primary %s is away for the sentinels too: keeping %d held slot(s) until it "
-                                "or a new primary answers", self._primary or "(not reached yet)", len(self._leases))
-                self._away_seen_at = loop.time()
-                continue
+            if asking is None or asking.done():
+                asking = self._spawn(self._ask_the_sentinels(), keep=True)
+            deadline = now - 0.9 * ttl
             if self._away_seen_at is not None and self._away_seen_at >= deadline:
                 continue
             for lease in [lease for lease in self._leases.values() if lease.renewed_at < deadline]:
                 lease.reclaim("its lease could not be renewed in redis before it expired")
+
+    async def _ask_the_sentinels(self) -> None:
+        if not await self._link.away_for_all(self._primary):
+            return
+        if self._away_seen_at is None:
+            log.warning("redis primary %s is away for the sentinels too: keeping %d held slot(s) until it or a new "
+                        "primary answers", self._primary or "(not reached yet)", len(self._leases))
+        self._away_seen_at = asyncio.get_running_loop().time()
 
     async def _renew_once(self) -> None:
         if not self.healthy:
