@@ -294,14 +294,24 @@ class RedisBackend(SlotKeeper):
 
     async def _watch_health(self) -> None:
         """Ping Redis twice a second whether or not a request touches it, so ``healthy`` and ``/readyz`` follow
-        it within a second or so; and notice when the primary changed (a failover)."""
+        it within a second or so; and notice when the primary changed (a failover). A ping that takes too long
+        marks Redis unhealthy but is left to end by its socket timeout, not cancelled: a redis-py command
+        cancelled mid-way can leave its connection behind."""
+        ping: asyncio.Task[Any] | None = None
         while not self._closed:
             await asyncio.sleep(_HEALTH_EVERY)
-            try:
-                await asyncio.wait_for(self._link.ping(), _HEALTH_TIMEOUT)
-            except (RedisError, OSError, TimeoutError) as exc:
-                self._mark_unhealthy(exc if not isinstance(exc, TimeoutError) else
-                                     RedisError(f"no answer to a ping within {_HEALTH_TIMEOUT:g}s"))
+            if ping is None or ping.done():
+                ping = self._spawn(self._link.ping(), keep=True)
+                ping.add_done_callback(_seen)  # a late failure is read here, not reported as never retrieved
+            await asyncio.wait({ping}, timeout=_HEALTH_TIMEOUT)
+            if not ping.done():
+                self._mark_unhealthy(RedisError(f"no answer to a ping within {_HEALTH_TIMEOUT:g}s"))
+                continue
+            if ping.cancelled():
+                continue
+            failure = ping.exception()
+            if failure is not None:
+                self._mark_unhealthy(failure)
                 continue
             self._mark_healthy()
             primary = await self._link.primary()
@@ -339,3 +349,8 @@ class RedisBackend(SlotKeeper):
 
     def ready(self) -> bool:
         return self.healthy
+
+
+def _seen(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

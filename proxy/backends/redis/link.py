@@ -6,7 +6,6 @@ the one node that holds that tag's slot).
 
 from __future__ import annotations
 
-import asyncio
 import ssl
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -171,10 +170,10 @@ class SentinelLink(Link):
     async def away_for_all(self, reached: str | None) -> bool:
         """The first sentinel that answers decides: it has not heard the primary for over a ping period and a
         half (or calls it down), or it names another primary now."""
-        for sentinel in self._sentinel.sentinels:
+        for sentinel in self._sentinel.sentinels:  # each bounded by its socket timeouts, never cancelled mid-way
             try:
-                masters = await asyncio.wait_for(sentinel.sentinel_masters(), _TIMEOUT)
-            except (RedisError, OSError, TimeoutError):
+                masters = await sentinel.sentinel_masters()
+            except (RedisError, OSError):
                 continue
             state = masters.get(self._service) if isinstance(masters, dict) else None
             if not isinstance(state, dict):
