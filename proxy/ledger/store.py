@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from ..aio import cancel_and_wait
 from ..logs import ThrottledLog
-from .writer import COLUMNS, TOKEN_COLUMNS, write_frame
+from .writer import COLUMNS, HEADER, TOKEN_COLUMNS, payload_size, write_frame
 
 __all__ = ["COLUMNS", "OUTCOMES", "TOKEN_COLUMNS", "Ledger", "LedgerRow", "LedgerWriteError"]
 
@@ -39,7 +39,6 @@ _MAX_PENDING = 200_000
 """Rows kept waiting while the writer is behind; past this the newest are dropped (and counted)."""
 _FAILURE_LOG_EVERY = 60.0
 _WRITER_EXIT_WAIT = 5.0
-_LENGTH = 4
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -168,8 +167,8 @@ class Ledger:
                 assert writer.stdin is not None and writer.stdout is not None
                 writer.stdin.write(write_frame(request))
                 await writer.stdin.drain()
-                size = int.from_bytes(await writer.stdout.readexactly(_LENGTH), "big")
-                kind, result = _unpickle(await writer.stdout.readexactly(size))
+                size = payload_size(await writer.stdout.readexactly(HEADER))
+                kind, result = pickle.loads(await writer.stdout.readexactly(size))
             except (OSError, asyncio.IncompleteReadError):
                 if writer is not None:
                     await self._end_writer()
@@ -205,8 +204,3 @@ async def _start_writer(path: Path | None) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy.ledger.writer", str(path), stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(search)})
-
-
-def _unpickle(payload: bytes) -> tuple[str, Any]:
-    kind, result = pickle.loads(payload)
-    return kind, result

@@ -24,7 +24,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
-__all__ = ["COLUMNS", "INSERT", "SCHEMA", "TOKEN_COLUMNS", "Writer", "main", "read_frame", "words", "write_frame"]
+__all__ = ["COLUMNS", "HEADER", "INSERT", "SCHEMA", "TOKEN_COLUMNS", "Writer", "main", "payload_size", "read_frame",
+           "words", "write_frame"]
 
 TOKEN_COLUMNS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
 COLUMNS = ("ended_at", "provider", "key", "model", "workspace", "starred", "conversation", "transport", "status",
@@ -42,7 +43,8 @@ _ROWS_PER_INSERT = 50
 """Rows one INSERT statement carries: a second's batch is a few dozen statements, not thousands."""
 _INSERT_MANY = INSERT + f", ({', '.join('?' * len(COLUMNS))})" * (_ROWS_PER_INSERT - 1)
 _PRUNE_EVERY = 3600.0
-_LENGTH = 4
+HEADER = 4
+"""Each message's length, in bytes before it (big-endian)."""
 
 
 class Writer:
@@ -105,16 +107,19 @@ class Writer:
 
 def write_frame(message: Any) -> bytes:
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return len(payload).to_bytes(_LENGTH, "big") + payload
+    return len(payload).to_bytes(HEADER, "big") + payload
+
+
+def payload_size(header: bytes) -> int:
+    return int.from_bytes(header, "big")
 
 
 def read_frame(stream: BinaryIO) -> Any | None:
     """The next message, or None at the end of the stream."""
-    header = stream.read(_LENGTH)
-    if len(header) < _LENGTH:
+    header = stream.read(HEADER)
+    if len(header) < HEADER:
         return None
-    payload = stream.read(int.from_bytes(header, "big"))
-    return pickle.loads(payload)
+    return pickle.loads(stream.read(payload_size(header)))
 
 
 def words(exc: BaseException) -> str:

@@ -166,7 +166,7 @@ local now = now_ms()
 cleanup(now)
 local lease_ttl, waiter_ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
 local n = tonumber(ARGV[4])
-redis.call('HSET', KEYS[1], 'seen', now, 'seen_ttl', lease_ttl)
+seen_now(now, lease_ttl)
 local created = num('created_at', nil)
 local missing, grants, lost = {}, {}, {}
 for i = 5, 4 + n do
@@ -311,7 +311,7 @@ if was_classed ~= layout().classed or had_share ~= (layout().share ~= nil) then
   end
 end
 cleanup(now)
-redis.call('HSET', KEYS[1], 'seen', now, 'seen_ttl', ARGV[5])
+seen_now(now, ARGV[5])
 dispatch(now, tonumber(ARGV[5]), ARGV[6])
 return 1
 """

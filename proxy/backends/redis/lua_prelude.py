@@ -111,8 +111,13 @@ end
 -- are pushed on by its length, so their holders renew them instead of losing them; a grant this Redis never
 -- received (made just before the old primary died) is put back by RENEW, as after lost data (created_at).
 -- RENEW (every replica runs it at least every second) and CONFIGURE write 'seen'; a gap is over half a lease_ttl.
+local function seen_now(now, lease_ttl)
+  redis.call('HSET', KEYS[1], 'seen', now, 'seen_ttl', lease_ttl)
+end
+
 local function bridge_gap(now)
-  local seen, ttl = num('seen', nil), num('seen_ttl', nil)
+  local stamp = redis.call('HMGET', KEYS[1], 'seen', 'seen_ttl')
+  local seen, ttl = tonumber(stamp[1]), tonumber(stamp[2])
   if seen == nil or ttl == nil or now - seen <= ttl / 2 then return end
   local gap = now - seen
   for _, zset in ipairs({KEYS[2], KEYS[6]}) do
