@@ -70,7 +70,7 @@ def _switch_off(parts: set[str]) -> None:
 
         ProxyState.account = lambda self, account: None  # type: ignore[method-assign]
     if "priority" in parts:
-        relay.parse_priority = lambda headers, names, now: (  # type: ignore[assignment]
+        relay.parse_priority = lambda headers, names, now, body=b"": (  # type: ignore[assignment]
             Priority(prompt_started_at=now, workspace="default", starred=False, conversation=None), [])
     if "headers" in parts:
         relay.forward_request_headers = lambda incoming, strip, auth: [  # type: ignore[assignment]

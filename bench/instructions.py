@@ -24,6 +24,7 @@ connections, sends a request on each, zeroes the counters, sends
 
     python bench/instructions.py [--rounds 3] [--requests 800] [--warmup 400] [--connections 1]
                                  [--variants full,slot,...] [--backends memory,redis] [--tree DIR]
+                                 [--keep DIR]
 
 ``--variants`` counts the variants of ``ablate.py`` (each with one part of
 slotproxy switched off) instead of, or beside, the full proxy (``full``).
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -161,6 +163,7 @@ class Counted:
         procs.started.append(self.proc)
         wait_http(f"http://{HOST}:{port}{PATH_PROXIED}", self.proc, name, timeout=VALGRIND_STARTUP_TIMEOUT)
         self._dumps = 0
+        self.last_dump: Path | None = None
 
     def _control(self, option: str) -> None:
         subprocess.run(["callgrind_control", option, str(self.proc.pid)], check=True, capture_output=True, timeout=120)
@@ -177,6 +180,7 @@ class Counted:
             if path.exists():
                 for line in path.read_text().splitlines():
                     if line.startswith("totals:"):
+                        self.last_dump = path
                         return int(line.split()[1])
             time.sleep(0.2)
         raise RuntimeError(f"{self.name}: callgrind wrote no totals to {path}")
@@ -230,6 +234,16 @@ def count_round(target: Counted, args: argparse.Namespace, *, warmup: int) -> fl
         clients.close()
 
 
+def keep_dumps(targets: list[Counted], folder: Path) -> None:
+    """Each target's last round's callgrind file, for ``callgrind_annotate --inclusive=yes``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for target in targets:
+        if target.last_dump is not None:
+            name = target.name.replace(", ", "-").replace(" ", "-").replace("(", "").replace(")", "")
+            shutil.copyfile(target.last_dump, folder / f"{name}.callgrind")
+    log(f"callgrind files of the last round kept in {folder}")
+
+
 def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
     procs = Processes(workdir)
     try:
@@ -241,6 +255,8 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
             for target in targets:
                 results[target.name].append(count_round(target, args, warmup=args.warmup if number == 1 else 0))
                 log(f"round {number} {target.name:<28} {results[target.name][-1]:10.0f} instructions/request")
+        if args.keep:
+            keep_dumps(targets, Path(args.keep))
         return results
     finally:
         procs.stop_all()
@@ -276,6 +292,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
                         help="the Redis of --backends redis (default redis://127.0.0.1:6379/0)")
     parser.add_argument("--tree", help="also count slotproxy from this checkout (a git worktree of another revision)")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="keep each target's last callgrind file in DIR (read with callgrind_annotate)")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.connections < 1 or args.requests < args.connections or args.warmup < 0:
         parser.error("--rounds and --connections >= 1, --requests >= --connections, --warmup >= 0")

@@ -21,6 +21,9 @@ __all__ = ["Account", "BodyTail"]
 _UNKNOWN = (None, None, None, None, None)
 """The five token counts of an answer that stated none."""
 
+_new_row = tuple.__new__
+"""A ledger row made without the named tuple's own constructor (a Python frame per request)."""
+
 _TAIL = 16 * 1024
 """How much of a streamed (not event-stream) answer is kept to read its usage from: every provider writes the
 usage object at the end of a JSON answer."""
@@ -59,7 +62,7 @@ class Account:
         else:
             workspace, starred, conversation = priority.workspace, priority.starred, priority.conversation
         tokens = _UNKNOWN if counts is None else counts
-        return LedgerRow._make((int(time.time() * 1000), self.provider, self.key, self.model, workspace, starred,
+        return _new_row(LedgerRow, (int(time.time() * 1000), self.provider, self.key, self.model, workspace, starred,
                                 conversation, self.transport, self.status, self.outcome, self.queue_ms, self.ttfb_ms,
                                 round((time.monotonic() - self.arrived) * 1000), *tokens, self.retries))
 

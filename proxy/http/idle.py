@@ -34,13 +34,15 @@ class _LoopTime:
 class Watch:
     """One exchange's idle deadline; ``fire()`` (also the watchdog's abort) cancels its task."""
 
-    __slots__ = ("_owner", "_task", "delay", "done", "expires_at", "fired", "queued")
+    __slots__ = ("_owner", "_task", "delay", "done", "expires_at", "fired", "now", "queued")
 
-    def __init__(self, owner: IdleWatch, task: asyncio.Task[object], delay: float, now: float) -> None:
+    def __init__(self, owner: IdleWatch, task: asyncio.Task[object], delay: float, now: Callable[[], float]) -> None:
         self._owner = owner
         self._task = task
         self.delay = delay
-        self.expires_at = now + delay
+        self.now = now
+        """The loop's clock (``loop.time``), bound once: asking for the running loop costs a system call."""
+        self.expires_at = now() + delay
         self.done = False
         self.fired = False
         self.queued = True
@@ -49,6 +51,10 @@ class Watch:
     def touch(self, now: float) -> None:
         """Upstream made progress at ``now`` (the loop's time)."""
         self.expires_at = now + self.delay
+
+    def progress(self) -> None:
+        """Upstream made progress just now."""
+        self.expires_at = self.now() + self.delay
 
     def fire(self) -> None:
         if self.queued:
@@ -79,9 +85,10 @@ class IdleWatch:
     def watch(self, delay: float, task: asyncio.Task[Any] | None = None) -> Watch:
         """A deadline ``delay`` seconds from now for ``task`` (the current one by default); ``close()`` it
         when done."""
-        task = task or asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        task = task or asyncio.current_task(loop)
         assert task is not None
-        entry = Watch(self, task, delay, self._clock.time())
+        entry = Watch(self, task, delay, loop.time)
         self._live += 1
         self._deadlines.add(entry, entry.expires_at)
         return entry

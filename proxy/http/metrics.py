@@ -19,7 +19,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ..ledger.store import LedgerRow
+from ..ledger.store import TOKEN_COLUMNS, LedgerRow
 from ..limiter import ProviderStatus
 from .heap import process_pauses
 
@@ -52,6 +52,8 @@ class _Histogram:
         return out
 
 
+_TOKEN_KINDS = tuple(column.removesuffix("_tokens") for column in TOKEN_COLUMNS)
+"""The ``type`` label of ``slotproxy_tokens_total``: the ledger's token columns, in their order."""
 _GC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, float("inf"))
 
 
@@ -193,6 +195,8 @@ class Metrics:
         )
         self.tokens: dict[tuple[str, str, str, str], int] = {}
         """Tokens by (provider, key, model label, type), as the answers stated them."""
+        self._token_labels: dict[tuple[str, str | None, str], tuple[tuple[str, str, str, str], ...]] = {}
+        """Each (provider, key, model label)'s five labels, made once."""
         self.request_counts: dict[tuple[str, str], int] = {}
         self.waits: dict[str, _Histogram] = {}
         self.registry.register(_PerRequestCollector(self))
@@ -207,12 +211,13 @@ class Metrics:
     def count_tokens(self, row: LedgerRow, model: str) -> None:
         """A row's known token counts; ``model`` is the label (the matching ``models`` pattern, else other)."""
         tokens = self.tokens
-        key = row.key or ""
-        for kind, value in (("input", row.input_tokens), ("cached_input", row.cached_input_tokens),
-                            ("cache_write", row.cache_write_tokens), ("output", row.output_tokens),
-                            ("reasoning", row.reasoning_tokens)):
+        labels = self._token_labels.get((row.provider, row.key, model))
+        if labels is None:
+            labels = self._token_labels[(row.provider, row.key, model)] = tuple(
+                (row.provider, row.key or "", model, kind) for kind in _TOKEN_KINDS)
+        for label, value in zip(labels, (row.input_tokens, row.cached_input_tokens, row.cache_write_tokens,
+                                         row.output_tokens, row.reasoning_tokens)):
             if value:
-                label = (row.provider, key, model, kind)
                 tokens[label] = tokens.get(label, 0) + value
 
     def observe_wait(self, provider: str, seconds: float) -> None:

@@ -259,7 +259,7 @@ class Exchange:
                 timeout=self.state.upstreams.client_timeout(self.settings),
             ) as upstream:
                 self.headers_seen = True
-                watch.touch(asyncio.get_running_loop().time())
+                watch.progress()
                 lease.headers_received()
                 budget = self._note_budget(upstream, lease) if self.settings.budgets and self.needs_slot else None
                 if upstream.status in self.settings.backoff_statuses:
@@ -364,7 +364,7 @@ class Exchange:
         encoding = upstream.headers.get("Content-Encoding")
         scanner = stream_scanner(encoding, usage) if event_stream else None
         tail = BodyTail(encoding) if not event_stream and upstream.status < 300 else None
-        now = asyncio.get_running_loop().time
+        now = watch.now
         # Cancellation point: the client may leave at any await below; the handler
         # is cancelled and the caller's finally releases the slot.
         chunks = 0
@@ -436,7 +436,7 @@ async def _read_capped(content: aiohttp.StreamReader, cap: int, watch: Watch) ->
     """Up to ``cap`` bytes of a body, and whether that was all of it."""
     chunks: list[bytes] = []
     size = 0
-    now = asyncio.get_running_loop().time
+    now = watch.now
     async for chunk in content.iter_any():
         watch.touch(now())
         chunks.append(chunk)

@@ -184,6 +184,8 @@ class ProxyState:
             self.stars.effective(config.workspaces.starred),
         )
         self._providers = providers
+        self._model_patterns = {name: tuple(settings.models) for name, settings in providers.items()
+                                if settings.models}
         self.config = config
         self.loaded_at = time.time()
         self.pollers.sync(providers, self.backend, self.upstreams.session_for)
@@ -247,8 +249,7 @@ class ProxyState:
         self.ledger.record(row)
         self.backend.record_usage(row)
         if row.input_tokens is not None:
-            settings = self._providers.get(row.provider)
-            patterns = tuple(settings.models) if settings is not None else ()
+            patterns = self._model_patterns.get(row.provider)
             model = policy.model_pattern(row.model, patterns) if patterns else None
             self.metrics.count_tokens(row, model or "other")
 

@@ -413,7 +413,7 @@ class ProviderLimiter:
         free_now = self.level.give_back()
         for level in lease._levels:
             level.give_back()
-        if free_now:
+        if free_now and self._waiting.count:
             self._dispatch()
 
     # ----- backoff and budgets ---------------------------------------------------------

@@ -29,17 +29,22 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from json.scanner import make_scanner
+from typing import Any, NamedTuple, cast
 
-__all__ = ["USAGE_MARK", "TokenCounts", "UsageReader", "usage_in"]
+__all__ = ["USAGE_MARK", "TokenCounts", "UsageReader"]
 
 USAGE_MARK = b'"usage"'
 """Text without this cannot carry usage: the scanners look for it before anything else."""
+_MARK_LENGTH = len(USAGE_MARK)
 _OBJECT_OPENS = re.compile(rb'\s*:\s*\{')
 _FIRST_WINDOW = 2048
-_DECODER = json.JSONDecoder()
+_SCAN_ONCE: Callable[[str, int], tuple[Any, int]] = make_scanner(cast(Any, json.JSONDecoder()))
+"""The decoder's C scanner: one JSON value at an index, without ``raw_decode``'s wrapper around it."""
 _MAX_OBJECT = 64 * 1024
 _MAX_COUNT = 1 << 53
+_new_counts = tuple.__new__
 
 
 class TokenCounts(NamedTuple):
@@ -68,40 +73,37 @@ class UsageReader:
             self._fields.update(usage)
 
     def read(self, text: bytes) -> None:
-        """Every usage object in one complete JSON text (an event's line, a frame, a whole body)."""
-        for usage in usage_in(text):
-            self.add(usage)
+        """Every ``"usage": {...}`` object in one complete JSON text (an event's line, a frame, a whole body),
+        found by a byte search and parsed alone (the rest of the text, a long answer's content say, is never
+        parsed). A key inside a JSON string is escaped (``\\"usage\\"``), so what is found is an object's key."""
+        fields = self._fields
+        at = text.find(USAGE_MARK)
+        while at >= 0:
+            at += _MARK_LENGTH
+            usage = _object_at(text, at)
+            if usage:
+                fields.update(usage)
+            at = text.find(USAGE_MARK, at)
 
     def counts(self) -> TokenCounts | None:
         """The normalised counts, or None when the answer stated none."""
         return _normalised(self._fields) if self._fields else None
 
 
-def usage_in(text: bytes) -> list[dict[str, Any]]:
-    """The ``"usage": {...}`` objects in a JSON text, found by a byte search and parsed alone (the rest of
-    the text, a long answer's content say, is never parsed). A key inside a JSON string is escaped
-    (``\\"usage\\"``), so what is found is an object's key."""
-    found = []
-    at = text.find(USAGE_MARK)
-    while at >= 0:
-        value = _object_at(text, at + len(USAGE_MARK))
-        if value is not None:
-            found.append(value)
-        at = text.find(USAGE_MARK, at + len(USAGE_MARK))
-    return found
-
-
 def _object_at(text: bytes, after_key: int) -> dict[str, Any] | None:
     """The JSON object after a ``"usage"`` key's colon, parsed alone (read from a small window first: usage
     objects are a few hundred bytes)."""
-    opening = _OBJECT_OPENS.match(text, after_key)
-    if opening is None:
-        return None
-    start = opening.end() - 1
+    if text[after_key:after_key + 2] == b":{":  # as providers write it: no spaces
+        start = after_key + 1
+    else:
+        opening = _OBJECT_OPENS.match(text, after_key)
+        if opening is None:
+            return None
+        start = opening.end() - 1
     for window in (_FIRST_WINDOW, _MAX_OBJECT):
         try:
-            value, _ = _DECODER.raw_decode(text[start:start + window].decode("utf-8", "replace"))
-        except (ValueError, RecursionError):
+            value, _ = _SCAN_ONCE(text[start:start + window].decode("utf-8", "replace"), 0)
+        except (StopIteration, ValueError, RecursionError):
             if start + window >= len(text):
                 return None
             continue
@@ -112,26 +114,26 @@ def _object_at(text: bytes, after_key: int) -> dict[str, Any] | None:
 def _normalised(fields: dict[str, Any]) -> TokenCounts | None:
     get = fields.get
     if "prompt_tokens" in fields or "completion_tokens" in fields:
-        return TokenCounts(_count(get("prompt_tokens")), _count(_detail(fields, "prompt_tokens_details", "cached_tokens")),
-                           0, _count(get("completion_tokens")),
-                           _count(_detail(fields, "completion_tokens_details", "reasoning_tokens")))
+        sent, received = get("prompt_tokens_details"), get("completion_tokens_details")
+        return _counts(get("prompt_tokens"), sent.get("cached_tokens") if type(sent) is dict else None, 0,
+                       get("completion_tokens"), received.get("reasoning_tokens") if type(received) is dict else None)
     if "input_tokens" not in fields and "output_tokens" not in fields:
         return None
     creation, read = get("cache_creation_input_tokens"), get("cache_read_input_tokens")
-    if creation is not None or read is not None:  # Anthropic
-        written, cached = _count(creation), _count(read)
-        return TokenCounts(_count(get("input_tokens")) + written + cached, cached, written,
-                           _count(get("output_tokens")), 0)
-    return TokenCounts(_count(get("input_tokens")), _count(_detail(fields, "input_tokens_details", "cached_tokens")),
-                       0, _count(get("output_tokens")),
-                       _count(_detail(fields, "output_tokens_details", "reasoning_tokens")))
+    if creation is not None or read is not None:  # Anthropic: input_tokens leaves the cache's out
+        uncached, cached, written, output, _ = _counts(get("input_tokens"), read, creation, get("output_tokens"), 0)
+        return _new_counts(TokenCounts, (uncached + cached + written, cached, written, output, 0))
+    sent, received = get("input_tokens_details"), get("output_tokens_details")
+    return _counts(get("input_tokens"), sent.get("cached_tokens") if type(sent) is dict else None, 0,
+                   get("output_tokens"), received.get("reasoning_tokens") if type(received) is dict else None)
 
 
-def _detail(fields: dict[str, Any], section: str, name: str) -> object:
-    details = fields.get(section)
-    return details.get(name) if isinstance(details, dict) else None
-
-
-def _count(value: object) -> int:
-    """A token count as stated; anything else (null, a string, a bool, a negative or absurd number) is 0."""
-    return value if type(value) is int and 0 <= value < _MAX_COUNT else 0
+def _counts(total_in: object, cached: object, written: object, total_out: object, reasoning: object) -> TokenCounts:
+    """Token counts as stated; anything else (null, a string, a bool, a negative or absurd number) is 0.
+    Written out for each of the five: this runs at the end of every request that stated its usage."""
+    return _new_counts(TokenCounts, (
+        total_in if type(total_in) is int and 0 <= total_in < _MAX_COUNT else 0,
+        cached if type(cached) is int and 0 <= cached < _MAX_COUNT else 0,
+        written if type(written) is int and 0 <= written < _MAX_COUNT else 0,
+        total_out if type(total_out) is int and 0 <= total_out < _MAX_COUNT else 0,
+        reasoning if type(reasoning) is int and 0 <= reasoning < _MAX_COUNT else 0))

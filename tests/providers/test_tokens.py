@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from proxy.providers.signals import stream_scanner
-from proxy.providers.tokens import TokenCounts, UsageReader, usage_in
+from proxy.providers.tokens import TokenCounts, UsageReader
 
 CHAT_USAGE = {"prompt_tokens": 120, "completion_tokens": 30, "total_tokens": 150,
               "prompt_tokens_details": {"cached_tokens": 100, "audio_tokens": 0},
@@ -53,9 +53,9 @@ def test_anthropic_message_start_updated_by_the_last_delta_not_added() -> None:
 
 
 def test_a_null_usage_and_a_quoted_usage_in_text_are_not_usage() -> None:
-    assert usage_in(b'{"choices": [], "usage": null}') == []
+    assert read(b'{"choices": [], "usage": null}') is None
     text = json.dumps({"delta": {"content": 'he said "usage": {"prompt_tokens": 99}'}}).encode()
-    assert usage_in(text) == []
+    assert read(text) is None
     assert read(b'{"usage": {"prompt_tokens": "many", "completion_tokens": -3}}') == TokenCounts()
     assert read(b"") is None
 
