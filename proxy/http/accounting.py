@@ -62,9 +62,10 @@ class Account:
         else:
             workspace, starred, conversation = priority.workspace, priority.starred, priority.conversation
         tokens = _UNKNOWN if counts is None else counts
-        return _new_row(LedgerRow, (int(time.time() * 1000), self.provider, self.key, self.model, workspace, starred,
-                                conversation, self.transport, self.status, self.outcome, self.queue_ms, self.ttfb_ms,
-                                round((time.monotonic() - self.arrived) * 1000), *tokens, self.retries))
+        return _new_row(LedgerRow, (
+            int(time.time() * 1000), self.provider, self.key, self.model, workspace, starred, conversation,
+            self.transport, self.status, self.outcome, self.queue_ms, self.ttfb_ms,
+            round((time.monotonic() - self.arrived) * 1000), *tokens, self.retries))
 
 
 class BodyTail:
