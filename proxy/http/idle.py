@@ -34,13 +34,13 @@ class _LoopTime:
 class Watch:
     """One exchange's idle deadline; ``fire()`` (also the watchdog's abort) cancels its task."""
 
-    __slots__ = ("_owner", "_task", "delay", "done", "expires_at", "fired", "now", "queued")
+    __slots__ = ("_now", "_owner", "_task", "delay", "done", "expires_at", "fired", "queued")
 
     def __init__(self, owner: IdleWatch, task: asyncio.Task[object], delay: float, now: Callable[[], float]) -> None:
         self._owner = owner
         self._task = task
         self.delay = delay
-        self.now = now
+        self._now = now
         """The loop's clock (``loop.time``), bound once: asking for the running loop costs a system call."""
         self.expires_at = now() + delay
         self.done = False
@@ -48,13 +48,9 @@ class Watch:
         self.queued = True
         """Still watched, neither fired nor closed (what ``Deadlines`` asks of its entries)."""
 
-    def touch(self, now: float) -> None:
-        """Upstream made progress at ``now`` (the loop's time)."""
-        self.expires_at = now + self.delay
-
     def progress(self) -> None:
         """Upstream made progress just now."""
-        self.expires_at = self.now() + self.delay
+        self.expires_at = self._now() + self.delay
 
     def fire(self) -> None:
         if self.queued:

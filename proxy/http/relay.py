@@ -364,14 +364,13 @@ class Exchange:
         encoding = upstream.headers.get("Content-Encoding")
         scanner = stream_scanner(encoding, usage) if event_stream else None
         tail = BodyTail(encoding) if not event_stream and upstream.status < 300 else None
-        now = watch.now
         # Cancellation point: the client may leave at any await below; the handler
         # is cancelled and the caller's finally releases the slot.
         chunks = 0
         try:
             async for chunk in upstream.content.iter_any():
                 chunks += 1
-                watch.touch(now())
+                watch.progress()
                 if scanner is not None:
                     backoff = scanner.feed(chunk)
                     if backoff is not None:
@@ -436,9 +435,8 @@ async def _read_capped(content: aiohttp.StreamReader, cap: int, watch: Watch) ->
     """Up to ``cap`` bytes of a body, and whether that was all of it."""
     chunks: list[bytes] = []
     size = 0
-    now = watch.now
     async for chunk in content.iter_any():
-        watch.touch(now())
+        watch.progress()
         chunks.append(chunk)
         size += len(chunk)
         if size >= cap:

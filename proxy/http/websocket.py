@@ -351,7 +351,6 @@ class SocketRelay:
 
     async def _from_upstream(self, upstream: aiohttp.ClientWebSocketResponse[bool],
                              client: web.WebSocketResponse) -> None:
-        now = asyncio.get_running_loop().time
         receive, send, text, binary = upstream.receive, client.send_frame, WSMsgType.TEXT, WSMsgType.BINARY
         try:
             while True:
@@ -361,14 +360,14 @@ class SocketRelay:
                     data: bytes = message.data
                     watch = self.watch
                     if watch is not None:
-                        watch.touch(now())
+                        watch.progress()
                     await send(data, text)
                     if self.in_flight:
                         self._note_event(data)
                 elif kind is binary:
                     watch = self.watch
                     if watch is not None:
-                        watch.touch(now())
+                        watch.progress()
                     await send(message.data, binary)
                 else:
                     self._upstream_closed(message.extra or (f"close code {message.data}" if kind is WSMsgType.CLOSE

@@ -11,11 +11,10 @@ from proxy.http.idle import IdleWatch
 
 async def _held(watches: IdleWatch, delay: float, touches: int, gap: float) -> str:
     watch = watches.watch(delay)
-    loop = asyncio.get_running_loop()
     try:
         for _ in range(touches):
             await asyncio.sleep(gap)
-            watch.touch(loop.time())
+            watch.progress()
         return "finished"
     except asyncio.CancelledError:
         if not watch.absorbed():
