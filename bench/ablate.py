@@ -7,7 +7,7 @@ interleaved with the full proxy and the bare aiohttp relay of ``ceiling.py``
 what is left once every part is off is aiohttp's own. This is a measuring tool:
 a variant with a part off is not a proxy anyone should run.
 
-    python bench/ablate.py [--rounds 3] [--duration 4]
+    python bench/ablate.py [--rounds 3] [--duration 4] [--variants full,ledger,...]
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ VARIANTS = {
     "guard": "the guard's checks off (Host, Origin, method and path checks)",
     "all": "all four of the above off",
     "ledger": "nothing recorded when a request ends (no ledger row, no fleet aggregates, no token counters)",
+    "bookkeeping": "none of what each request cost is read or recorded (no usage read from the answer, no model "
+                   "name from the body, no ledger row, no aggregates, no token counters)",
     "server": "the relay itself replaced by the bare relay's handler (what is left is slotproxy's server: "
               "connection limits, the guard, the answers)",
 }
@@ -69,6 +71,13 @@ def _switch_off(parts: set[str]) -> None:
         from proxy.http.runtime import ProxyState
 
         ProxyState.account = lambda self, account: None  # type: ignore[method-assign]
+    if "bookkeeping" in parts:
+        from proxy.http.runtime import ProxyState
+        from proxy.providers.tokens import UsageReader
+
+        ProxyState.account = lambda self, account: None  # type: ignore[method-assign]
+        UsageReader.read = lambda self, text: None  # type: ignore[method-assign]
+        relay.model_hint = lambda path, body: None  # type: ignore[assignment]
     if "priority" in parts:
         relay.parse_priority = lambda headers, names, now, body=b"": (  # type: ignore[assignment]
             Priority(prompt_started_at=now, workspace="default", starred=False, conversation=None), [])
@@ -106,7 +115,7 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
         static_port = free_port()
         start_nginx(procs, "nginx-static", static_nginx_conf(workdir / "nginx-static", static_port), "/")
         targets: dict[str, tuple[str, list[int]]] = {}
-        for variant in VARIANTS:
+        for variant in args.variants:
             port = free_port()
             config = workdir / f"{variant}.yaml"
             config.write_text(slotproxy_yaml(port, {"bench": f"http://{HOST}:{static_port}"}))
@@ -155,7 +164,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=4.0)
+    parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS),
+                        help=f"which to measure, of {','.join(VARIANTS)} (default: all; full is always measured)")
     args = parser.parse_args(argv)
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
+    args.variants = ["full", *(name for name in args.variants if name != "full")]
     with tempfile.TemporaryDirectory(prefix="slotproxy-ablate-") as tmp:
         results = measure(args, Path(tmp))
     print(report(results, " ".join(["python", "bench/ablate.py", *argv])))

@@ -104,8 +104,10 @@ class _PerRequestCollector(Collector):
         tokens = CounterMetricFamily("slotproxy_tokens", "Tokens the answers stated, by type (input includes "
                                      "cached input; output includes reasoning)",
                                      labels=["provider", "key", "model", "type"])
-        for labels, count in list(self._metrics.tokens.items()):
-            tokens.add_metric(list(labels), count)
+        for (provider, key, model), totals in list(self._metrics.tokens.items()):
+            for kind, count in zip(_TOKEN_KINDS, totals):
+                if count:
+                    tokens.add_metric([provider, key, model, kind], count)
         yield tokens
 
 
@@ -193,10 +195,9 @@ class Metrics:
             "slotproxy_ledger_dropped", "Ledger rows that could not be written (the requests were served)",
             registry=self.registry,
         )
-        self.tokens: dict[tuple[str, str, str, str], int] = {}
-        """Tokens by (provider, key, model label, type), as the answers stated them."""
-        self._token_labels: dict[tuple[str, str | None, str], tuple[tuple[str, str, str, str], ...]] = {}
-        """Each (provider, key, model label)'s five labels, made once."""
+        self.tokens: dict[tuple[str, str, str], list[int]] = {}
+        """Tokens by (provider, key, model label) as the answers stated them: one total per type, in the
+        ledger's column order (a type still at 0 is not shown)."""
         self.request_counts: dict[tuple[str, str], int] = {}
         self.waits: dict[str, _Histogram] = {}
         self.registry.register(_PerRequestCollector(self))
@@ -210,15 +211,15 @@ class Metrics:
 
     def count_tokens(self, row: LedgerRow, model: str) -> None:
         """A row's known token counts; ``model`` is the label (the matching ``models`` pattern, else other)."""
-        tokens = self.tokens
-        labels = self._token_labels.get((row.provider, row.key, model))
-        if labels is None:
-            labels = self._token_labels[(row.provider, row.key, model)] = tuple(
-                (row.provider, row.key or "", model, kind) for kind in _TOKEN_KINDS)
-        for label, value in zip(labels, (row.input_tokens, row.cached_input_tokens, row.cache_write_tokens,
-                                         row.output_tokens, row.reasoning_tokens)):
-            if value:
-                tokens[label] = tokens.get(label, 0) + value
+        group = (row.provider, row.key or "", model)
+        totals = self.tokens.get(group)
+        if totals is None:
+            totals = self.tokens[group] = [0] * len(_TOKEN_KINDS)
+        totals[0] += row.input_tokens or 0
+        totals[1] += row.cached_input_tokens or 0
+        totals[2] += row.cache_write_tokens or 0
+        totals[3] += row.output_tokens or 0
+        totals[4] += row.reasoning_tokens or 0
 
     def observe_wait(self, provider: str, seconds: float) -> None:
         histogram = self.waits.get(provider)
