@@ -67,15 +67,13 @@ def _switch_off(parts: set[str]) -> None:
             self.needs_slot = False
 
         relay.Exchange.__init__ = without_slot  # type: ignore[method-assign]
-    if "ledger" in parts:
+    if parts & {"ledger", "bookkeeping"}:
         from proxy.http.runtime import ProxyState
 
         ProxyState.account = lambda self, account: None  # type: ignore[method-assign]
     if "bookkeeping" in parts:
-        from proxy.http.runtime import ProxyState
         from proxy.providers.tokens import UsageReader
 
-        ProxyState.account = lambda self, account: None  # type: ignore[method-assign]
         UsageReader.read = lambda self, text: None  # type: ignore[method-assign]
         relay.model_hint = lambda path, body: None  # type: ignore[assignment]
     if "priority" in parts:
@@ -98,6 +96,15 @@ async def _bare_relay_handler(request: Any, state: Any, provider: str, rest: str
     settings = state.provider(provider)
     return await bare_relay_answer(request, state.upstreams.session_for(settings), f"{settings.upstream}/{rest}",
                                    streaming=False)
+
+
+def variants(text: str) -> list[str]:
+    """``--variants``: comma-separated names of ``VARIANTS`` (an argparse type: a wrong name is refused)."""
+    names = text.split(",")
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
+    return names
 
 
 def serve(variant: str, argv: list[str]) -> int:
@@ -164,12 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--duration", type=float, default=4.0)
-    parser.add_argument("--variants", type=lambda text: text.split(","), default=list(VARIANTS),
+    parser.add_argument("--variants", type=variants, default=list(VARIANTS),
                         help=f"which to measure, of {','.join(VARIANTS)} (default: all; full is always measured)")
     args = parser.parse_args(argv)
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        parser.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
     args.variants = ["full", *(name for name in args.variants if name != "full")]
     with tempfile.TemporaryDirectory(prefix="slotproxy-ablate-") as tmp:
         results = measure(args, Path(tmp))

@@ -52,7 +52,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ablate import VARIANTS
+from ablate import VARIANTS, variants
 from common import (
     HOST,
     Processes,
@@ -284,7 +284,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=800, help="requests per round (default 800)")
     parser.add_argument("--warmup", type=int, default=400, help="requests before counting starts (default 400)")
     parser.add_argument("--connections", type=int, default=1, help="client connections (default 1)")
-    parser.add_argument("--variants", default="full", type=lambda text: text.split(","),
+    parser.add_argument("--variants", default="full", type=variants,
                         help=f"slotproxy variants of bench/ablate.py to count, comma-separated (default full; "
                              f"known: {', '.join(VARIANTS)})")
     parser.add_argument("--backends", default="memory", type=lambda text: text.split(","),
@@ -297,9 +297,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.connections < 1 or args.requests < args.connections or args.warmup < 0:
         parser.error("--rounds and --connections >= 1, --requests >= --connections, --warmup >= 0")
-    unknown = set(args.variants) - set(VARIANTS)
-    if unknown:
-        parser.error(f"--variants: unknown {', '.join(sorted(unknown))} (known: {', '.join(VARIANTS)})")
     if not args.backends or set(args.backends) - {"memory", "redis"}:
         parser.error("--backends: memory, redis or both, comma-separated")
     if args.tree and not (Path(args.tree) / "proxy" / "__main__.py").exists():
