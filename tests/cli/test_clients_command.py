@@ -20,7 +20,7 @@ from proxy.config import parse_config
 from .test_cli import REPO, run_cli
 
 EXAMPLE = REPO / "config.example.yaml"
-README = (REPO / "README.md").read_text()
+AGENTS_DOC = (REPO / "docs" / "agents.md").read_text()
 URL = "http://127.0.0.1:8787"
 
 
@@ -248,12 +248,11 @@ def test_the_parser_offers_the_agents_the_guides_know() -> None:
 
 
 def _readme_blocks(agent: str) -> list[str]:
-    """The fenced blocks after the README's ``slotproxy clients --agent X`` paragraph, up to the next one."""
-    start = README.index("## Using it with your agents")
-    section = README[start:README.index("\n## ", start + 1)]
-    marker = section.index(f"(`slotproxy clients --agent {agent}`)")
-    end = section.find("\n**", marker)
-    part = section[marker:end if end != -1 else len(section)]
+    """The fenced blocks of the docs/agents.md section whose guide ``slotproxy clients --agent X`` prints."""
+    marker = AGENTS_DOC.index(f"`slotproxy clients --agent {agent}` prints this guide")
+    start = AGENTS_DOC.rindex("\n## ", 0, marker)
+    end = AGENTS_DOC.find("\n## ", marker)
+    part = AGENTS_DOC[start:end if end != -1 else len(AGENTS_DOC)]
     return [m.group(1) for m in re.finditer(r"^```\w*\n(.*?)^```", part, re.DOTALL | re.MULTILINE)]
 
 
@@ -267,7 +266,7 @@ def test_the_readme_guide_is_the_command_s_output(agent: str) -> None:
     assert "\n".join(blocks) == out
     fences = [snippet.lang for snippet in guide(parse_config(EXAMPLE.read_text()), agent, URL).snippets]
     for lang, block in zip(fences, blocks, strict=True):
-        assert f"```{lang}\n{block}```" in README
+        assert f"```{lang}\n{block}```" in AGENTS_DOC
 
 
 def test_a_local_anthropic_provider_is_known_by_its_id_and_codex_gets_the_openai_one(tmp_path) -> None:

@@ -1,4 +1,4 @@
-"""The README's "Using it with your agents" snippets, run against a real proxy in front of the fake.
+"""The agents' guides (docs/agents.md), run against a real proxy in front of the fake.
 
 Each Python snippet runs as is (only ``http://127.0.0.1:8787`` is swapped for the
 test proxy's address) in a subprocess, while a long stream holds the provider's
@@ -37,15 +37,17 @@ from ..conftest import Proxy, Upstream, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
+AGENTS_DOC = (REPO / "docs" / "agents.md").read_text()
 DOC_URL = "http://127.0.0.1:8787"
 PRIORITY_HEADERS = {"x-workspace-id", "x-workspace-starred", "x-prompt-started-at", "x-conversation-id"}
 KEY = "sk-guide-test"
 
 
 def section() -> str:
-    start = README.index("## Using it with your agents")
-    end = README.find("\n## ", start + 1)
-    return README[start:end]
+    """The guides: from the first (Claude Code) to the section after the last (curl)."""
+    start = AGENTS_DOC.index("## Claude Code")
+    end = AGENTS_DOC.index("\n## Over a WebSocket", start)
+    return AGENTS_DOC[start:end]
 
 
 @dataclass(frozen=True)
@@ -145,9 +147,11 @@ def assert_stripped(stage: Stage) -> None:
 # --- the section itself --------------------------------------------------------------------
 
 
-def test_the_section_sits_right_after_quick_start_and_covers_each_client() -> None:
+def test_the_readme_points_to_the_guides_which_cover_each_client() -> None:
     headings = re.findall(r"^## (.+)$", README, re.MULTILINE)
-    assert headings[headings.index("Quick start") + 1] == "Using it with your agents"
+    assert headings[headings.index("Run it") + 2] == "Point your agents at it"
+    pointing = README.split("## Point your agents at it", 1)[1].split("\n## ", 1)[0]
+    assert "](docs/agents.md)" in pointing and "slotproxy clients" in pointing
     text = section()
     for needle in ("default_headers", "ANTHROPIC_BASE_URL", "OPENAI_BASE_URL", "Claude Code", "Codex CLI",
                    "openai_base_url", "aider", "OPENAI_API_BASE", "LiteLLM", "api_base", "curl"):

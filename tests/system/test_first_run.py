@@ -1,11 +1,11 @@
 """A newcomer's first run, from the README alone, in a fresh virtualenv (issue 24).
 
-The Quick start's first command (``python3 -m venv … && pip install -e . && slotproxy serve --config
+The README's "Run it" command (``python3 -m venv … && pip install -e . && slotproxy serve --config
 config.example.yaml``) in a new venv, with its dependencies taken from this environment (no download:
 ``--no-deps --no-index``, the way tests/system/test_wheel.py builds its venv); then ``slotproxy fake-upstream``
-as the README's Commands list says, a copy of ``config.example.yaml`` whose upstreams are changed
-exactly as the README's fake-upstream snippet shows, and ``slotproxy serve`` on it. Then the README's
-client snippets, parsed by tests/system/test_client_guides.py's helpers: curl (run by bash as written, its URL
+as the README's "Try it on the fake provider" starts it, a copy of ``config.example.yaml`` whose upstreams are changed
+exactly as the README's fake-upstream snippet shows, and ``slotproxy serve`` on it. Then the agents'
+client snippets (docs/agents.md), parsed by tests/system/test_client_guides.py's helpers: curl (run by bash as written, its URL
 swapped for this proxy's), the OpenAI SDK and the Anthropic SDK (run by the fresh venv's Python). Every
 answer is a 200 (the proxy's own request counter says so) and whole. Only 127.0.0.1 is contacted.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -44,11 +45,21 @@ def readme_install_command() -> str:
     return line
 
 
+def readme_fake_section() -> str:
+    start = README.index("## Try it on the fake provider")
+    return README[start:README.index("\n## ", start + 1)]
+
+
+def readme_fake_command() -> list[str]:
+    """The README's command that starts the fake provider, as argv."""
+    (block,) = [b for b in re.findall(r"^```sh\n(.*?)^```", readme_fake_section(), re.DOTALL | re.MULTILINE)
+                if "slotproxy fake-upstream" in b]
+    return shlex.split(block.strip())
+
+
 def readme_fake_upstreams() -> dict[str, str]:
     """The README's fake-upstream snippet: provider id → the upstream it tells a user to write."""
-    start = README.index("- `slotproxy fake-upstream")
-    bullet = README[start:README.index("\n- `", start + 1)]
-    (block,) = re.findall(r"^ *```yaml\n(.*?)^ *```", bullet, re.DOTALL | re.MULTILINE)
+    (block,) = re.findall(r"^ *```yaml\n(.*?)^ *```", readme_fake_section(), re.DOTALL | re.MULTILINE)
     providers = yaml.safe_load(textwrap.dedent(block))["providers"]
     return {name: settings["upstream"] for name, settings in providers.items()}
 
@@ -129,7 +140,9 @@ def running(fresh_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                            env=env, check=True, capture_output=True, text=True, timeout=30).stdout.strip()
     assert where == str(REPO / "proxy" / "__init__.py"), f"proxy imported from {where}, not the editable install"
 
-    fake = subprocess.Popen([slotproxy, "fake-upstream", "--port", str(free_port())], cwd=work, env=env,
+    command = readme_fake_command()
+    assert command[:2] == ["slotproxy", "fake-upstream"]
+    fake = subprocess.Popen([slotproxy, *command[1:], "--port", str(free_port())], cwd=work, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     proxy: subprocess.Popen[str] | None = None
     try:
