@@ -177,7 +177,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
     from .fetch import USAGE_PATH, fetch_json
 
     url = base_url(args.url)
-    document, _ = fetch_json(url, USAGE_PATH, {"since": args.since, "by": args.by})
+    query = {name: value for name in ("since", "until", "by", "provider", "workspace", "model")
+             if (value := getattr(args, name)) is not None}
+    document, _ = fetch_json(url, USAGE_PATH, query)
     print(json.dumps(document, indent=2) if args.json else format_usage(document))
     return 0
 
@@ -298,15 +300,21 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     usage = commands.add_parser(
         "usage", help="show what the requests cost, from a running proxy's ledger",
-        description="Show the tokens, requests, errors and queue waits of a running proxy's requests, grouped "
-                    "(GET /_slotproxy/usage). With the Redis backend the whole fleet's, unless grouped by "
-                    "conversation (each replica's own ledger).")
+        description="Show the tokens, requests, errors and queue waits of a running proxy's requests, grouped, "
+                    "with a line of totals (GET /_slotproxy/usage). With the Redis backend the whole fleet's, "
+                    "unless grouped by conversation, status or outcome (each replica's own ledger).")
     usage.add_argument("--url", default=DEFAULT_URL, help=f"the running proxy's base URL (default: {DEFAULT_URL})")
-    usage.add_argument("--since", default="24h", metavar="WHEN",
-                       help="from when: a duration ago such as 5h or 30m, or epoch milliseconds (default: 24h)")
+    usage.add_argument("--since", metavar="WHEN",
+                       help="from when: a duration ago such as 5h or 30m, or epoch milliseconds (default: 24 hours "
+                            "before --until)")
+    usage.add_argument("--until", metavar="WHEN",
+                       help="up to when, in the same forms as --since (default: now)")
     usage.add_argument("--by", default="workspace", metavar="FIELDS",
                        help="comma-separated fields to group by: provider, key, model, workspace, conversation, "
-                            "hour (default: workspace)")
+                            "hour, status, outcome (default: workspace)")
+    for name in ("provider", "workspace", "model"):
+        usage.add_argument(f"--{name}", metavar=name.upper(),
+                           help=f"only the requests of this {name} (default: every {name})")
     usage.add_argument("--json", action="store_true", help="print the answer as JSON (default: a table)")
     usage.set_defaults(func=cmd_usage)
 
