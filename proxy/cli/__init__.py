@@ -1,4 +1,4 @@
-"""The ``slotproxy`` command line: serve, check, status, fake-upstream, demo, clients, schema.
+"""The ``slotproxy`` command line: init, serve, check, status, usage, fake-upstream, demo, clients, schema.
 
 Every call pays for what this module imports, ``--version`` and ``--help``
 included, so it imports only the standard library's light modules at the top;
@@ -55,7 +55,7 @@ def find_config(explicit: str | None) -> Path:
     env_note = f"${CONFIG_ENV}={from_env} (missing)" if from_env else f"${CONFIG_ENV} (unset)"
     raise CliError(
         f"no config file found: tried --config (not given), {env_note}, ./{DEFAULT_CONFIG} (missing); "
-        "start from config.example.yaml"
+        f"`slotproxy init` writes a commented one that serves as is to ./{DEFAULT_CONFIG}"
     )
 
 
@@ -100,6 +100,18 @@ def check_backend_client(config: Config) -> None:
         pass
     raise CliError("backend.kind is redis but the redis client is not installed in this Python: "
                    "pip install 'redis[hiredis]>=5' (or reinstall slotproxy with its dependencies)")
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .init import write_example
+
+    written, lines = write_example(Path(args.path), force=args.force, default_name=DEFAULT_CONFIG)
+    found_by_default = written.resolve() == Path(DEFAULT_CONFIG).resolve() and not os.environ.get(CONFIG_ENV)
+    serve = "slotproxy serve" if found_by_default else f"slotproxy serve --config {written}"
+    print("\n".join([*lines, f"next: slotproxy check --config {written}, then {serve}"]))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -253,6 +265,18 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"slotproxy {__version__}",
                         help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    init = commands.add_parser(
+        "init", help="write a commented example config that serves as is",
+        description="Write the example config, every key commented, that serves without edits (providers whose "
+                    "key variable is unset forward the client's own key), and beside it the JSON Schema its first "
+                    "line points editors at. An existing config is left as it is unless --force.")
+    init.add_argument("path", nargs="?", default=DEFAULT_CONFIG, metavar="PATH",
+                      help=f"where to write it; a folder gets {DEFAULT_CONFIG} in it (default: ./{DEFAULT_CONFIG}, "
+                           "what serve reads when given no --config)")
+    init.add_argument("--force", action="store_true",
+                      help="replace an existing file (default: leave it and exit 2)")
+    init.set_defaults(func=cmd_init)
 
     serve = commands.add_parser(
         "serve", help="run the proxy",
