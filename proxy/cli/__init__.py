@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..config import Config
+    from .clients import Setup
 
 __all__ = ["build_parser", "main"]
 
@@ -52,11 +53,19 @@ def find_config(explicit: str | None) -> Path:
         return Path(from_env)
     if Path(DEFAULT_CONFIG).is_file():
         return Path(DEFAULT_CONFIG)
-    env_note = f"${CONFIG_ENV}={from_env} (missing)" if from_env else f"${CONFIG_ENV} (unset)"
-    raise CliError(
-        f"no config file found: tried --config (not given), {env_note}, ./{DEFAULT_CONFIG} (missing); "
+    raise NoConfig(
+        f"no config file found: tried {_tried(from_env)}; "
         f"`slotproxy init` writes a commented one that serves as is to ./{DEFAULT_CONFIG}"
     )
+
+
+class NoConfig(CliError):
+    """No config file where ``serve`` looks (none named with --config)."""
+
+
+def _tried(from_env: str | None) -> str:
+    env_note = f"${CONFIG_ENV}={from_env} (missing)" if from_env else f"${CONFIG_ENV} (unset)"
+    return f"--config (not given), {env_note}, ./{DEFAULT_CONFIG} (missing)"
 
 
 def _load(path: Path) -> Config:
@@ -215,13 +224,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_clients(args: argparse.Namespace) -> int:
     from . import clients
 
-    config = _load(find_config(args.config))
     try:
-        url = clients.normalize_url(args.url) if args.url else clients.default_url(config)
+        url = clients.normalize_url(args.url) if args.url else None
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    print(clients.render(config, url, args.agent), end="")
+    try:
+        config = _load(find_config(args.config))
+    except NoConfig:
+        if url is None:
+            raise CliError(f"no config file found and no --url to ask a running proxy: tried "
+                           f"{_tried(os.environ.get(CONFIG_ENV))}; run it where the config is, or pass --url "
+                           f"with the proxy's base URL (such as {DEFAULT_URL})") from None
+        print(clients.render(_setup_from_proxy(url), url, args.agent), end="")
+        return 0
+    print(clients.render(config, url or clients.default_url(config), args.agent, os.environ), end="")
     return 0
+
+
+def _setup_from_proxy(url: str) -> Setup:
+    """The guides' providers from the proxy at ``url`` (its status), with a note on stderr of what that leaves out."""
+    from .clients import setup_from_status
+    from .fetch import Unreachable, fetch_status
+
+    try:
+        document, _ = fetch_status(url)
+    except Unreachable as exc:
+        reason = str(exc).removesuffix(", or pass --url")
+        raise Unreachable(f"no config file found ({_tried(os.environ.get(CONFIG_ENV))}), and the proxy could not "
+                          f"be asked for its providers instead: {reason}") from None
+    setup = setup_from_status(document)
+    if not setup.providers:
+        raise Unreachable(f"no config file found, and the proxy at {url} lists no provider")
+    print(f"slotproxy: no config file here: the guides are for the providers of the proxy at {url} (its status "
+          "shows neither its header names nor whether it needs client keys: the defaults are shown)",
+          file=sys.stderr)
+    return setup
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -366,10 +403,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     clients_parser = commands.add_parser(
         "clients", help="print what each agent needs to use the proxy",
         description="Print, for the config's providers, what each agent needs to send its requests through "
-                    "the proxy: environment variables, config lines or SDK snippets.")
+                    "the proxy: environment variables, config lines or SDK snippets. Where no config file is "
+                    "found, the running proxy at the URL given is asked for its providers instead.")
     clients_parser.add_argument("--config", help=CONFIG_HELP)
-    clients_parser.add_argument("--url", help="the proxy's base URL as the agents reach it (default: built from "
-                                "server.host and server.port, 0.0.0.0 and :: as 127.0.0.1)")
+    clients_parser.add_argument("--url", help="the proxy's base URL as the agents reach it; with no config file "
+                                "found, the proxy asked for its providers (default: built from server.host and "
+                                "server.port, 0.0.0.0 and :: as 127.0.0.1)")
     clients_parser.add_argument("--agent", choices=agents,
                                 help="print only this agent's guide (default: every agent's, each under a heading)")
     clients_parser.set_defaults(func=cmd_clients)

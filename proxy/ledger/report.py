@@ -17,7 +17,8 @@ from typing import Any
 from ..errors import AdminError
 from .store import TOKEN_COLUMNS
 
-__all__ = ["GROUPS", "REPLICA_ONLY", "UsageQuery", "answer", "format_usage", "parse_query", "queue_median_sql", "totals_sql"]
+__all__ = ["GROUPS", "REPLICA_ONLY", "UsageQuery", "answer", "format_usage", "parse_query", "queue_median_sql",
+           "totals_sql"]
 
 GROUPS = ("provider", "key", "model", "workspace", "conversation", "hour", "status", "outcome")
 REPLICA_ONLY = frozenset({"conversation", "status", "outcome"})
