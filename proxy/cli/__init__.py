@@ -1,4 +1,4 @@
-"""The ``slotproxy`` command line: serve, check, status, fake-upstream, demo, clients, schema.
+"""The ``slotproxy`` command line: init, serve, check, status, usage, fake-upstream, demo, clients, schema.
 
 Every call pays for what this module imports, ``--version`` and ``--help``
 included, so it imports only the standard library's light modules at the top;
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..config import Config
+    from .clients import Setup
 
 __all__ = ["build_parser", "main"]
 
@@ -52,11 +53,19 @@ def find_config(explicit: str | None) -> Path:
         return Path(from_env)
     if Path(DEFAULT_CONFIG).is_file():
         return Path(DEFAULT_CONFIG)
-    env_note = f"${CONFIG_ENV}={from_env} (missing)" if from_env else f"${CONFIG_ENV} (unset)"
-    raise CliError(
-        f"no config file found: tried --config (not given), {env_note}, ./{DEFAULT_CONFIG} (missing); "
-        "start from config.example.yaml"
+    raise NoConfig(
+        f"no config file found: tried {_tried(from_env)}; "
+        f"`slotproxy init` writes a commented one that serves as is to ./{DEFAULT_CONFIG}"
     )
+
+
+class NoConfig(CliError):
+    """No config file where ``serve`` looks (none named with --config)."""
+
+
+def _tried(from_env: str | None) -> str:
+    env_note = f"${CONFIG_ENV}={from_env} (missing)" if from_env else f"${CONFIG_ENV} (unset)"
+    return f"--config (not given), {env_note}, ./{DEFAULT_CONFIG} (missing)"
 
 
 def _load(path: Path) -> Config:
@@ -100,6 +109,18 @@ def check_backend_client(config: Config) -> None:
         pass
     raise CliError("backend.kind is redis but the redis client is not installed in this Python: "
                    "pip install 'redis[hiredis]>=5' (or reinstall slotproxy with its dependencies)")
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .init import write_example
+
+    written, lines = write_example(Path(args.path), force=args.force, default_name=DEFAULT_CONFIG)
+    found_by_default = written.resolve() == Path(DEFAULT_CONFIG).resolve() and not os.environ.get(CONFIG_ENV)
+    serve = "slotproxy serve" if found_by_default else f"slotproxy serve --config {written}"
+    print("\n".join([*lines, f"next: slotproxy check --config {written}, then {serve}"]))
+    return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -177,7 +198,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
     from .fetch import USAGE_PATH, fetch_json
 
     url = base_url(args.url)
-    document, _ = fetch_json(url, USAGE_PATH, {"since": args.since, "by": args.by})
+    query = {name: value for name in ("since", "until", "by", "provider", "workspace", "model")
+             if (value := getattr(args, name)) is not None}
+    document, _ = fetch_json(url, USAGE_PATH, query)
     print(json.dumps(document, indent=2) if args.json else format_usage(document))
     return 0
 
@@ -201,13 +224,41 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_clients(args: argparse.Namespace) -> int:
     from . import clients
 
-    config = _load(find_config(args.config))
     try:
-        url = clients.normalize_url(args.url) if args.url else clients.default_url(config)
+        url = clients.normalize_url(args.url) if args.url else None
     except ValueError as exc:
         raise CliError(str(exc)) from exc
-    print(clients.render(config, url, args.agent), end="")
+    try:
+        config = _load(find_config(args.config))
+    except NoConfig:
+        if url is None:
+            raise CliError(f"no config file found and no --url to ask a running proxy: tried "
+                           f"{_tried(os.environ.get(CONFIG_ENV))}; run it where the config is, or pass --url "
+                           f"with the proxy's base URL (such as {DEFAULT_URL})") from None
+        print(clients.render(_setup_from_proxy(url), url, args.agent), end="")
+        return 0
+    print(clients.render(config, url or clients.default_url(config), args.agent, os.environ), end="")
     return 0
+
+
+def _setup_from_proxy(url: str) -> Setup:
+    """The guides' providers from the proxy at ``url`` (its status), with a note on stderr of what that leaves out."""
+    from .clients import setup_from_status
+    from .fetch import Unreachable, fetch_status
+
+    try:
+        document, _ = fetch_status(url)
+    except Unreachable as exc:
+        reason = str(exc).removesuffix(", or pass --url")
+        raise Unreachable(f"no config file found ({_tried(os.environ.get(CONFIG_ENV))}), and the proxy could not "
+                          f"be asked for its providers instead: {reason}") from None
+    setup = setup_from_status(document)
+    if not setup.providers:
+        raise Unreachable(f"no config file found, and the proxy at {url} lists no provider")
+    print(f"slotproxy: no config file here: the guides are for the providers of the proxy at {url} (its status "
+          "shows neither its header names nor whether it needs client keys: the defaults are shown)",
+          file=sys.stderr)
+    return setup
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -251,6 +302,18 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"slotproxy {__version__}",
                         help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    init = commands.add_parser(
+        "init", help="write a commented example config that serves as is",
+        description="Write the example config, every key commented, that serves without edits (providers whose "
+                    "key variable is unset forward the client's own key), and beside it the JSON Schema its first "
+                    "line points editors at. An existing config is left as it is unless --force.")
+    init.add_argument("path", nargs="?", default=DEFAULT_CONFIG, metavar="PATH",
+                      help=f"where to write it; a folder gets {DEFAULT_CONFIG} in it (default: ./{DEFAULT_CONFIG}, "
+                           "what serve reads when given no --config)")
+    init.add_argument("--force", action="store_true",
+                      help="replace an existing file (default: leave it and exit 2)")
+    init.set_defaults(func=cmd_init)
 
     serve = commands.add_parser(
         "serve", help="run the proxy",
@@ -298,15 +361,21 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
     usage = commands.add_parser(
         "usage", help="show what the requests cost, from a running proxy's ledger",
-        description="Show the tokens, requests, errors and queue waits of a running proxy's requests, grouped "
-                    "(GET /_slotproxy/usage). With the Redis backend the whole fleet's, unless grouped by "
-                    "conversation (each replica's own ledger).")
+        description="Show the tokens, requests, errors and queue waits of a running proxy's requests, grouped, "
+                    "with a line of totals (GET /_slotproxy/usage). With the Redis backend the whole fleet's, "
+                    "unless grouped by conversation, status or outcome (each replica's own ledger).")
     usage.add_argument("--url", default=DEFAULT_URL, help=f"the running proxy's base URL (default: {DEFAULT_URL})")
-    usage.add_argument("--since", default="24h", metavar="WHEN",
-                       help="from when: a duration ago such as 5h or 30m, or epoch milliseconds (default: 24h)")
+    usage.add_argument("--since", metavar="WHEN",
+                       help="from when: a duration ago such as 5h or 30m, or epoch milliseconds (default: 24 hours "
+                            "before --until)")
+    usage.add_argument("--until", metavar="WHEN",
+                       help="up to when, in the same forms as --since (default: now)")
     usage.add_argument("--by", default="workspace", metavar="FIELDS",
                        help="comma-separated fields to group by: provider, key, model, workspace, conversation, "
-                            "hour (default: workspace)")
+                            "hour, status, outcome (default: workspace)")
+    for name in ("provider", "workspace", "model"):
+        usage.add_argument(f"--{name}", metavar=name.upper(),
+                           help=f"only the requests of this {name} (default: every {name})")
     usage.add_argument("--json", action="store_true", help="print the answer as JSON (default: a table)")
     usage.set_defaults(func=cmd_usage)
 
@@ -334,10 +403,12 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     clients_parser = commands.add_parser(
         "clients", help="print what each agent needs to use the proxy",
         description="Print, for the config's providers, what each agent needs to send its requests through "
-                    "the proxy: environment variables, config lines or SDK snippets.")
+                    "the proxy: environment variables, config lines or SDK snippets. Where no config file is "
+                    "found, the running proxy at the URL given is asked for its providers instead.")
     clients_parser.add_argument("--config", help=CONFIG_HELP)
-    clients_parser.add_argument("--url", help="the proxy's base URL as the agents reach it (default: built from "
-                                "server.host and server.port, 0.0.0.0 and :: as 127.0.0.1)")
+    clients_parser.add_argument("--url", help="the proxy's base URL as the agents reach it; with no config file "
+                                "found, the proxy asked for its providers (default: built from server.host and "
+                                "server.port, 0.0.0.0 and :: as 127.0.0.1)")
     clients_parser.add_argument("--agent", choices=agents,
                                 help="print only this agent's guide (default: every agent's, each under a heading)")
     clients_parser.set_defaults(func=cmd_clients)

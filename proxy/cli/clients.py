@@ -1,21 +1,26 @@
-"""What each agent needs to use the proxy, for one config: the text ``slotproxy clients`` prints.
+"""What each agent needs to use the proxy: the text ``slotproxy clients`` prints.
 
-Every guide is built from the config alone (provider ids, header names, client keys); nothing here
-reads the environment, so no secret can end up in the output: keys are named by their variables.
+The guides are built from a ``Setup``: a config's providers, header names and client keys, or, where no
+config file is at hand, the providers a running proxy's status lists. Whether the proxy sends a key of
+its own decides what an agent must send: from a config, that is whether the provider's key variable is
+set in the environment given (the guides name variables and never read a value into the output); from a
+status, it is known for key pools only.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from ..config import Config
-from ..config.model import Provider
+from ..config.model import Headers, Provider
 
-__all__ = ["AGENTS", "CLIENT_KEY_VAR", "Guide", "Snippet", "default_url", "guide", "normalize_url", "render"]
+__all__ = ["AGENTS", "CLIENT_KEY_VAR", "Guide", "Served", "Setup", "Snippet", "default_url", "guide",
+           "normalize_url", "render", "setup_from_config", "setup_from_status"]
 
 AGENTS: tuple[str, ...] = ("claude-code", "codex", "openai-sdk", "anthropic-sdk", "aider", "env")
 TITLES = {
@@ -54,15 +59,23 @@ class Guide:
         return "\n".join(snippet.text for snippet in self.snippets)
 
 
-@dataclass(frozen=True)
-class _Side:
-    """One provider as the agents of one API family see it."""
+KeyState = Literal["own", "unset", "none", "unknown"]
+"""Whether the proxy sends a key of its own to a provider: it does (``own``); it has one configured whose
+variable is unset, so it passes the client's on (``unset``); none is configured (``none``); or a running
+proxy's status does not say (``unknown``: a provider with one key, not a pool)."""
 
-    provider_id: str
-    url: str  # the proxy's route to it
-    injects: bool  # the proxy may send its own key (api_key_env or a key pool)
-    own_key: str  # that key, in words: "its own key ($OPENAI_API_KEY)" or "a key of its pool"
-    websocket: bool
+
+@dataclass(frozen=True)
+class Served:
+    """One provider, as much of it as the guides need."""
+
+    name: str
+    anthropic: bool  # Anthropic's API (auth x-api-key, its upstream, or an id naming it)
+    official: bool  # the upstream is the provider's own host (api.openai.com, api.anthropic.com)
+    key: KeyState
+    own_key: str  # the proxy's key in words: "its own key ($OPENAI_API_KEY)", "a key of its pool" or ""
+    key_var: str  # what sets it: "$OPENAI_API_KEY", "every key variable of its pool" or ""
+    websocket: bool = True
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,31 @@ class _Names:
     conversation: str
     prompt_started_at: str
     keys_env: str | None  # access.keys_env: client keys required
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The providers and header names the guides are written for."""
+
+    providers: tuple[Served, ...]
+    names: _Names
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One provider as the agents of one API family see it."""
+
+    provider_id: str
+    url: str  # the proxy's route to it
+    key: KeyState
+    own_key: str
+    key_var: str
+    websocket: bool
+
+    @property
+    def injects(self) -> bool:
+        """The proxy sends its own key, so the agent's Authorization or x-api-key can carry a client key."""
+        return self.key == "own"
 
 
 # --- the proxy's URL and which provider serves whom ---------------------------------------------
@@ -99,33 +137,85 @@ def _is_anthropic(name: str, provider: Provider) -> bool:
     """Anthropic's API: its auth style, its upstream, or a provider named for it (a local or proxied
     upstream keeps the id that says what it serves)."""
     return provider.auth == "x-api-key" or urlsplit(provider.upstream).hostname == "api.anthropic.com" \
-        or any(word in name.lower() for word in ("anthropic", "claude"))
+        or _named_anthropic(name)
 
 
-def _provider_for(config: Config, anthropic: bool) -> str | None:
+def _named_anthropic(name: str) -> bool:
+    return any(word in name.lower() for word in ("anthropic", "claude"))
+
+
+def _served(name: str, provider: Provider, environ: Mapping[str, str] | None) -> Served:
+    anthropic = _is_anthropic(name, provider)
+    official = urlsplit(provider.upstream).hostname == ("api.anthropic.com" if anthropic else "api.openai.com")
+    websocket = bool(getattr(provider, "websocket", True))
+    if provider.keys:
+        variables = [key.api_key_env for key in provider.keys]
+        has_key = environ is None or any(environ.get(variable) for variable in variables)
+        return Served(name, anthropic, official, "own" if has_key else "unset", "a key of its pool",
+                      "every key variable of its pool", websocket)
+    if provider.api_key_env:
+        has_key = environ is None or bool(environ.get(provider.api_key_env))
+        return Served(name, anthropic, official, "own" if has_key else "unset",
+                      f"its own key (${provider.api_key_env})", f"${provider.api_key_env}", websocket)
+    return Served(name, anthropic, official, "none", "", "", websocket)
+
+
+def _names(config: Config) -> _Names:
+    headers = config.headers
+    return _Names(workspace=headers.workspace, starred=headers.starred, conversation=headers.conversation,
+                  prompt_started_at=headers.prompt_started_at, keys_env=config.access.keys_env)
+
+
+def setup_from_config(config: Config, environ: Mapping[str, str] | None = None) -> Setup:
+    """The guides for ``config``. With ``environ``, a provider's key counts as the proxy's only where its
+    variable is set there (as for a proxy started from that environment); without, wherever one is configured."""
+    return Setup(tuple(_served(name, provider, environ) for name, provider in config.providers.items()),
+                 _names(config))
+
+
+def setup_from_status(document: Mapping[str, Any]) -> Setup:
+    """The guides for a running proxy, from its status document: its providers' ids (an id naming anthropic or
+    claude serves Anthropic's clients), and whether a key pool has a key (a single key is not shown there).
+    Header names are the defaults and no client key is assumed: the status shows neither."""
+    providers = []
+    for entry in document.get("providers", []):
+        name = str(entry.get("provider", ""))
+        if not name:
+            continue
+        pool = entry.get("keys") or []
+        if pool:
+            key: KeyState = "own" if any(item.get("available") for item in pool) else "unset"
+            providers.append(Served(name, _named_anthropic(name), False, key, "a key of its pool",
+                                    "every key variable of its pool"))
+        else:
+            providers.append(Served(name, _named_anthropic(name), False, "unknown", "its own key", ""))
+    defaults = Headers()
+    names = _Names(workspace=defaults.workspace, starred=defaults.starred, conversation=defaults.conversation,
+                   prompt_started_at=defaults.prompt_started_at, keys_env=None)
+    return Setup(tuple(providers), names)
+
+
+def _provider_for(setup: Setup, anthropic: bool) -> Served | None:
     """The first provider of that family: the one named for it (``openai``, ``anthropic``), else one whose
-    upstream is the provider's own, else the first in the config."""
-    candidates = [name for name, provider in config.providers.items()
-                  if _is_anthropic(name, provider) == anthropic]
-    host = "api.anthropic.com" if anthropic else "api.openai.com"
+    upstream is the provider's own, else the first listed."""
     wanted = "anthropic" if anthropic else "openai"
-    candidates.sort(key=lambda name: (name != wanted, urlsplit(config.providers[name].upstream).hostname != host))
+    candidates = [served for served in setup.providers if served.anthropic == anthropic]
+    candidates.sort(key=lambda served: (served.name != wanted, not served.official))
     return candidates[0] if candidates else None
 
 
-def _side(config: Config, base_url: str, anthropic: bool) -> _Side | None:
-    name = _provider_for(config, anthropic)
-    if name is None:
+def _side(setup: Setup, base_url: str, anthropic: bool) -> _Side | None:
+    served = _provider_for(setup, anthropic)
+    if served is None:
         return None
-    provider = config.providers[name]
-    if provider.keys:
-        own_key = "a key of its pool"
-    elif provider.api_key_env:
-        own_key = f"its own key (${provider.api_key_env})"
-    else:
-        own_key = ""
-    return _Side(provider_id=name, url=f"{base_url}/{name}", injects=bool(own_key), own_key=own_key,
-                 websocket=bool(getattr(provider, "websocket", True)))
+    return _Side(provider_id=served.name, url=f"{base_url}/{served.name}", key=served.key,
+                 own_key=served.own_key, key_var=served.key_var, websocket=served.websocket)
+
+
+def _forwards(side: _Side) -> str:
+    """Why the agent's own key goes upstream, in words."""
+    unset = f" ({side.key_var} is unset here)" if side.key == "unset" else ""
+    return f"{side.provider_id} forwards the agent's own key{unset}"
 
 
 def _missing(agent: str) -> Guide:
@@ -174,6 +264,13 @@ def _codex_key_lines(side: _Side, names: _Names) -> list[str]:
     if side.injects:
         return [f"# Key: the proxy sends {side.own_key}; when Codex asks for one, any will do:",
                 "# echo via-slotproxy | codex login --with-api-key  (codex exec also reads CODEX_API_KEY)"]
+    login = "# codex login --with-api-key  (codex exec also reads CODEX_API_KEY)"
+    if side.key == "unset":
+        why = f"# Key: {side.key_var} is unset here: a proxy started here has no key of its own for {side.provider_id},"
+        return [why, "# so Codex's own key goes upstream. Log Codex in with your OpenAI key, given on stdin:", login]
+    if side.key == "unknown":
+        why = f"# Key: the proxy sends its own key for {side.provider_id} if it has one, else Codex's own goes up."
+        return [why, "# Log Codex in with your OpenAI key, given on stdin (any will do if the proxy has one):", login]
     return ["# Key (Codex does not read OPENAI_API_KEY): printenv OPENAI_API_KEY | codex login --with-api-key",
             "# (codex exec also reads CODEX_API_KEY)"]
 
@@ -191,9 +288,9 @@ def _codex_builtin(side: _Side, names: _Names) -> Snippet:
 def _codex_custom(side: _Side, names: _Names, alone: bool) -> Snippet:
     from_env = [(names.starred, STARRED_VAR)]
     if alone:
-        intro = [(f"# ~/.codex/config.toml: the built-in provider cannot send {CLIENT_KEY_HEADER} and "
-                  f"{side.provider_id} forwards the"),
-                 "# agent's own key, so Codex needs a provider of its own that sends a workspace, a star"]
+        intro = [f"# ~/.codex/config.toml: the built-in provider cannot send {CLIENT_KEY_HEADER} and",
+                 f"# {_forwards(side)},",
+                 "# so Codex needs a provider of its own that sends a workspace, a star"]
     else:
         intro = ["# Or a provider of your own (~/.codex/config.toml) that sends a workspace"
                  + (", a star" if names.keys_env else " and a star")]
@@ -203,7 +300,8 @@ def _codex_custom(side: _Side, names: _Names, alone: bool) -> Snippet:
                   "# with each request:"]
     else:
         intro.append(f"# (when {STARRED_VAR}=1) with each request:")
-    key = "any value while the proxy sends its own" if side.injects else "your OpenAI key"
+    key = {"own": "any value while the proxy sends its own",
+           "unknown": "your OpenAI key, unless the proxy sends its own"}.get(side.key, "your OpenAI key")
     lines = [
         *intro,
         'model_provider = "slotproxy"',
@@ -244,7 +342,9 @@ def _python_headers(names: _Names, workspace: str, conversation: str, starred: b
 
 
 def _api_key_comment(side: _Side) -> str:
-    return "the proxy's key, if it has one, wins" if side.injects else "the proxy forwards your own key"
+    if side.key in ("own", "unknown"):
+        return "the proxy's key, if it has one, wins"
+    return "the proxy forwards your own key"
 
 
 def _openai_sdk(side: _Side, names: _Names) -> tuple[Snippet, ...]:
@@ -304,14 +404,14 @@ def _key_as_api_key(side: _Side, names: _Names, variable: str) -> list[str]:
     if side.injects:
         return [f"# the API key is {_key_note(names)}; the proxy sends {side.own_key} upstream",
                 f'export {variable}="${CLIENT_KEY_VAR}"']
-    return [(f"# {side.provider_id} forwards the agent's own key, so a tool that cannot send "
-             f"{CLIENT_KEY_HEADER} cannot use it")]
+    return [f"# {_forwards(side)}, so a tool that cannot send {CLIENT_KEY_HEADER} cannot use it"]
 
 
 def _aider(side: _Side, names: _Names) -> tuple[Snippet, ...]:
     if names.keys_env and not side.injects:
-        note = (f"# aider cannot send {CLIENT_KEY_HEADER} and {side.provider_id} forwards the agent's own key; "
-                f"with providers.{side.provider_id}.api_key_env set,\n# your client key can be aider's API key\n")
+        note = (f"# aider cannot send {CLIENT_KEY_HEADER} and {_forwards(side)}; with a key of the proxy's "
+                f"for {side.provider_id}\n# (providers.{side.provider_id}.api_key_env, set), your client key can be "
+                "aider's API key\n")
         return (Snippet("", note),)
     lines = [
         "# aider reads OPENAI_API_BASE (or --openai-api-base); name the model with the openai/ prefix",
@@ -341,18 +441,14 @@ def _env(openai: _Side | None, anthropic: _Side | None, names: _Names) -> tuple[
 # --- the whole ----------------------------------------------------------------------------------
 
 
-def _names(config: Config) -> _Names:
-    headers = config.headers
-    return _Names(workspace=headers.workspace, starred=headers.starred, conversation=headers.conversation,
-                  prompt_started_at=headers.prompt_started_at, keys_env=config.access.keys_env)
-
-
-def guide(config: Config, agent: str, base_url: str) -> Guide:
-    """What ``agent`` needs to reach the proxy at ``base_url`` (no trailing slash) with this config."""
+def guide(config: Config | Setup, agent: str, base_url: str, environ: Mapping[str, str] | None = None) -> Guide:
+    """What ``agent`` needs to reach the proxy at ``base_url`` (no trailing slash); a ``Config`` is read as
+    ``setup_from_config(config, environ)``."""
     if agent not in TITLES:
         raise ValueError(f"unknown agent {agent!r}: choose one of {', '.join(AGENTS)}")
-    names = _names(config)
-    openai, anthropic = _side(config, base_url, anthropic=False), _side(config, base_url, anthropic=True)
+    setup = config if isinstance(config, Setup) else setup_from_config(config, environ)
+    names = setup.names
+    openai, anthropic = _side(setup, base_url, anthropic=False), _side(setup, base_url, anthropic=True)
     if agent == "env":
         return Guide(agent, TITLES[agent], _env(openai, anthropic, names))
     side = anthropic if agent in ANTHROPIC_AGENTS else openai
@@ -363,12 +459,14 @@ def guide(config: Config, agent: str, base_url: str) -> Guide:
     return Guide(agent, TITLES[agent], build(side, names))
 
 
-def render(config: Config, base_url: str, agent: str | None = None) -> str:
+def render(config: Config | Setup, base_url: str, agent: str | None = None,
+           environ: Mapping[str, str] | None = None) -> str:
     """One agent's guide as is; without ``agent``, every guide under a short heading."""
+    setup = config if isinstance(config, Setup) else setup_from_config(config, environ)
     if agent is not None:
-        return guide(config, agent, base_url).text
+        return guide(setup, agent, base_url).text
     parts = []
     for name in AGENTS:
-        one = guide(config, name, base_url)
+        one = guide(setup, name, base_url)
         parts.append(f"== {one.title} (--agent {name}) ==\n{one.text}")
     return "\n".join(parts)

@@ -97,7 +97,7 @@ class _Loader(yaml.SafeLoader):
 
 
 _PROVIDER_EXAMPLE = ("add at least one provider, e.g. providers: {openai: {upstream: 'https://api.openai.com/v1', "
-                     "api_key_env: OPENAI_API_KEY}}, or start from config.example.yaml")
+                     "api_key_env: OPENAI_API_KEY}}, or run `slotproxy init` for a commented config that serves as is")
 
 
 def beside_config(configured: str | None, config_path: str | os.PathLike[str] | None) -> Path | None:

@@ -17,9 +17,12 @@ from typing import Any
 from ..errors import AdminError
 from .store import TOKEN_COLUMNS
 
-__all__ = ["GROUPS", "UsageQuery", "answer", "format_usage", "parse_query", "queue_median_sql", "totals_sql"]
+__all__ = ["GROUPS", "REPLICA_ONLY", "UsageQuery", "answer", "format_usage", "parse_query", "queue_median_sql",
+           "totals_sql"]
 
-GROUPS = ("provider", "key", "model", "workspace", "conversation", "hour")
+GROUPS = ("provider", "key", "model", "workspace", "conversation", "hour", "status", "outcome")
+REPLICA_ONLY = frozenset({"conversation", "status", "outcome"})
+"""What the fleet's hourly aggregates leave out: a query naming one is answered from each replica's own ledger."""
 FILTERS = ("provider", "workspace", "model")
 DEFAULT_SPAN_MS = 24 * 3600 * 1000
 HOUR_MS = 3600 * 1000
@@ -41,8 +44,7 @@ class UsageQuery:
 
     @property
     def per_replica(self) -> bool:
-        """Conversations are in each replica's own ledger only: a query naming them is answered there."""
-        return "conversation" in self.by or "conversation" in self.filters
+        return not REPLICA_ONLY.isdisjoint(self.by) or not REPLICA_ONLY.isdisjoint(self.filters)
 
 
 def parse_query(params: Mapping[str, str], now_ms: int | None = None) -> UsageQuery:
@@ -151,16 +153,25 @@ def answer(query: UsageQuery, totals: Iterable[Sequence[Any]], medians: Iterable
     return {"since": query.since, "until": query.until, "by": list(query.by), "scope": scope, "rows": rows}
 
 
+_COUNTED = ("requests", "errors", "input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens",
+            "reasoning_tokens", "unknown_usage")
+_HEAD = ("REQUESTS", "ERRORS", "INPUT", "CACHED", "CACHE WRITE", "OUTPUT", "REASONING", "UNKNOWN", "QUEUE P50",
+         "QUEUE MAX")
+
+
 def format_usage(document: Mapping[str, Any]) -> str:
-    """The answer as a table (``slotproxy usage``): the groups, then requests, errors, tokens and waits."""
+    """The answer as a table (``slotproxy usage``): the groups, then requests, errors, tokens and waits, and a
+    line of totals (the median wait of all the rows is not theirs to add up: it is left blank)."""
     by = [str(name) for name in document.get("by", [])]
-    head = [name.upper() for name in by] + ["REQUESTS", "ERRORS", "INPUT", "CACHED", "OUTPUT", "REASONING",
-                                            "UNKNOWN", "QUEUE P50", "QUEUE MAX"]
-    body = [[_cell(row.get(name), name) for name in by]
-            + [str(row.get(name, 0)) for name in ("requests", "errors", "input_tokens", "cached_input_tokens",
-                                                  "output_tokens", "reasoning_tokens", "unknown_usage")]
+    rows = document.get("rows", [])
+    head = [name.upper() for name in by] + list(_HEAD)
+    body = [[_cell(row.get(name), name) for name in by] + [str(row.get(name, 0)) for name in _COUNTED]
             + [f"{row.get('queue_ms_p50', 0)} ms", f"{row.get('queue_ms_max', 0)} ms"]
-            for row in document.get("rows", [])]
+            for row in rows]
+    if rows:
+        body.append(["TOTAL"] + [""] * (len(by) - 1)
+                    + [str(sum(int(row.get(name) or 0) for row in rows)) for name in _COUNTED]
+                    + ["", f"{max(int(row.get('queue_ms_max') or 0) for row in rows)} ms"])
     widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
              for line in [head, *body]]

@@ -34,7 +34,7 @@ COMMANDS = sorted(name for name, _ in subparsers(build_parser()))
 
 
 def test_every_command_is_walked() -> None:
-    assert COMMANDS == ["check", "clients", "demo", "fake-upstream", "schema", "serve", "status", "usage"]
+    assert COMMANDS == ["check", "clients", "demo", "fake-upstream", "init", "schema", "serve", "status", "usage"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -22,12 +22,14 @@ from .test_cli import REPO, run_cli
 EXAMPLE = REPO / "config.example.yaml"
 AGENTS_DOC = (REPO / "docs" / "agents.md").read_text()
 URL = "http://127.0.0.1:8787"
+KEYS_SET = {"OPENAI_API_KEY": "sk-test-not-printed", "ANTHROPIC_API_KEY": "sk-ant-test-not-printed"}
+"""The guides are for a proxy started where they are printed: unless a test says otherwise, it has its keys."""
 
 
 def clients(*args: str, config: Path = EXAMPLE, env: dict[str, str] | None = None) -> str:
     """The command's output, run in this process (the README test below runs it as a subprocess)."""
     out, err = io.StringIO(), io.StringIO()
-    with mock.patch.dict(os.environ, env or {}), redirect_stdout(out), redirect_stderr(err):
+    with mock.patch.dict(os.environ, {**KEYS_SET, **(env or {})}), redirect_stdout(out), redirect_stderr(err):
         code = main(["clients", "--config", str(config), *args])
     assert code == 0, err.getvalue()
     assert err.getvalue() == ""
@@ -258,7 +260,7 @@ def _readme_blocks(agent: str) -> list[str]:
 
 @pytest.mark.parametrize("agent", AGENTS)
 def test_the_readme_guide_is_the_command_s_output(agent: str) -> None:
-    result = run_cli("clients", "--agent", agent, "--config", "config.example.yaml")
+    result = run_cli("clients", "--agent", agent, "--config", "config.example.yaml", env=KEYS_SET)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     blocks = _readme_blocks(agent)

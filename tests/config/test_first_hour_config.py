@@ -146,7 +146,7 @@ def test_the_open_files_lowering_is_still_logged(caplog) -> None:
 # --- 9: an empty config is refused, naming providers ---------------------------------------------------
 
 _ADD = ("add at least one provider, e.g. providers: {openai: {upstream: 'https://api.openai.com/v1', api_key_env: "
-        "OPENAI_API_KEY}}, or start from config.example.yaml")
+        "OPENAI_API_KEY}}, or run `slotproxy init` for a commented config that serves as is")
 
 
 @pytest.mark.parametrize("command", ["check", "serve"])
