@@ -123,6 +123,8 @@ class ProxyState:
         self.config_path = config_path
         self.worker = worker
         self.config_error: str | None = None
+        self.config_missing_since: float | None = None
+        """When the config file was found gone (epoch seconds), None while it is there."""
         self.backend: Backend = backend or make_backend(config)
         self.open_sockets = OpenSockets()
         self.metrics = Metrics(lambda: self.backend.statistics(queue_detail=False), self.backend.backend_status,
