@@ -29,7 +29,8 @@ async def read_body(request: web.Request, max_body: int, body_timeout: float, *,
     declared = request.content_length
     if declared is not None and declared > max_body:
         raise BodyTooLarge(f"request body of {declared} bytes is over server.max_body ({max_body} bytes)")
-    if invite and _expects_continue(request):
+    if invite and (expect := request.headers.get("Expect")) is not None and expect.lower() == "100-continue" \
+            and request.version == HttpVersion11:
         await request.writer.write(_CONTINUE)
     content = request.content
     chunks: list[bytes] = []
@@ -49,6 +50,3 @@ async def read_body(request: web.Request, max_body: int, body_timeout: float, *,
         chunks.append(chunk)
     return b"".join(chunks)
 
-
-def _expects_continue(request: web.Request) -> bool:
-    return request.version == HttpVersion11 and request.headers.get("Expect", "").lower() == "100-continue"
