@@ -19,6 +19,7 @@ def status_document(state: ProxyState) -> dict[str, Any]:
             "path": state.config_path,
             "loaded_at": int(state.loaded_at * 1000),
             "error": state.config_error,
+            "missing_since": None if state.config_missing_since is None else int(state.config_missing_since * 1000),
         },
     }
 

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import asyncio
 
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from ..errors import BodyTooLarge, RequestTimeout
 
 __all__ = ["read_body"]
 
 
-async def read_body(request: web.Request, max_body: int, body_timeout: float) -> bytes:
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+async def read_body(request: web.Request, max_body: int, body_timeout: float, *, invite: bool = False) -> bytes:
     """The whole body, before any slot is taken (so a slow client holds none).
+
+    ``invite``: answer ``Expect: 100-continue`` with ``100 Continue`` once the body may come (the relay's
+    requests; aiohttp's router has already answered it for the proxy's own routes). A body declared over
+    ``max_body`` is refused without inviting it, and the refusal is the caller's to record like any other.
 
     Bytes already buffered are taken without waiting, so a body that came with its
     headers costs no timer; each wait for more is bounded by ``body_timeout``.
@@ -22,6 +29,9 @@ async def read_body(request: web.Request, max_body: int, body_timeout: float) ->
     declared = request.content_length
     if declared is not None and declared > max_body:
         raise BodyTooLarge(f"request body of {declared} bytes is over server.max_body ({max_body} bytes)")
+    if invite and (expect := request.headers.get("Expect")) is not None and expect.lower() == "100-continue" \
+            and request.version == HttpVersion11:
+        await request.writer.write(_CONTINUE)
     content = request.content
     chunks: list[bytes] = []
     size = 0
@@ -39,3 +49,4 @@ async def read_body(request: web.Request, max_body: int, body_timeout: float) ->
             raise BodyTooLarge(f"request body is over server.max_body ({max_body} bytes)")
         chunks.append(chunk)
     return b"".join(chunks)
+

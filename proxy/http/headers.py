@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from multidict import CIMultiDict
@@ -15,9 +17,11 @@ from multidict import CIMultiDict
 from ..errors import BadRequest
 from ..limiter import Priority
 from ..limiter.policy import CLIENT_DEADLINE_MARGIN
+from ..logs import ThrottledLog
 
 __all__ = [
     "HOP_BY_HOP",
+    "InvalidHeaderLog",
     "PriorityHeaders",
     "body_turn_started_at",
     "check_header_bytes",
@@ -46,6 +50,22 @@ _RFC3339 = re.compile(
 )
 _EARLIEST = datetime(2000, 1, 1, tzinfo=UTC).timestamp()
 _FUTURE_SLACK = 300.0
+_PRIORITY_KEYS = ("workspace", "starred", "prompt_started_at", "conversation")
+
+log = logging.getLogger("slotproxy.headers")
+
+
+class InvalidHeaderLog:
+    """Says why a priority header's value was refused, at most once a minute per header (a client may send
+    the same bad value on every request; the metric counts each). Never the value: it is the client's."""
+
+    def __init__(self, *, interval: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._logs = {key: ThrottledLog(log, logging.WARNING, "priority header %s (headers.%s) refused: %s; "
+                                        "its default is used", interval=interval, clock=clock)
+                      for key in _PRIORITY_KEYS}
+
+    def refused(self, key: str, header: str, why: str) -> None:
+        self._logs[key].event(header, key, why)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +78,8 @@ class PriorityHeaders:
     conversation: str = "X-Conversation-Id"
     max_prompt_age: float = 86400.0
     """An older prompt start counts as exactly this old, so no header puts a client ahead of every honest one."""
+    refusals: InvalidHeaderLog | None = field(default=None, compare=False, repr=False)
+    """Where a refused value is said (None: nowhere; the caller still counts it)."""
 
     def names(self) -> frozenset[str]:
         return frozenset(n.lower() for n in (self.workspace, self.starred, self.prompt_started_at, self.conversation))
@@ -71,7 +93,8 @@ def valid_label(value: str) -> bool:
 def _label(value: str) -> str:
     value = value.strip()
     if not valid_label(value):
-        raise ValueError(value)
+        raise ValueError(f"longer than {_MAX_LABEL} characters" if len(value) > _MAX_LABEL
+                         else "empty, or not printable ASCII")
     return value
 
 
@@ -81,21 +104,31 @@ def _starred(value: str) -> bool:
         return True
     if lowered in _FALSE:
         return False
-    raise ValueError(value)
+    raise ValueError("not one of 1, true, yes, on, 0, false, no, off")
 
 
 def _prompt_started_at(value: str, now: float) -> float:
-    """Epoch milliseconds or RFC 3339, within [2000-01-01, now + 5 min]; else ValueError."""
+    """Epoch milliseconds or RFC 3339, within [2000-01-01, now + 5 min]; else ValueError (saying which rule,
+    not the value)."""
     value = value.strip()
     if _EPOCH_MS.match(value):
         when = float(value) / 1000.0
     else:
         if not _RFC3339.match(value):
-            raise ValueError(value)
-        when = datetime.fromisoformat(value.upper().replace(" ", "T")).timestamp()
+            raise ValueError("neither epoch milliseconds nor an RFC 3339 time")
+        try:
+            when = datetime.fromisoformat(value.upper().replace(" ", "T")).timestamp()
+        except ValueError:  # its own message would quote the value
+            raise ValueError("an RFC 3339 time that is no real date or time of day") from None
     if not _EARLIEST <= when <= now + _FUTURE_SLACK:
-        raise ValueError(value)
+        raise ValueError("before 2000-01-01 or more than 5 minutes ahead of this proxy's clock")
     return when
+
+
+def _refused(invalid: list[str], names: PriorityHeaders, key: str, header: str, why: ValueError) -> None:
+    invalid.append(key)
+    if names.refusals is not None:
+        names.refusals.refused(key, header, str(why))
 
 
 def parse_priority(
@@ -115,18 +148,18 @@ def parse_priority(
     if (raw := get(names.workspace)) is not None:  # each absent header costs one lookup, not a call
         try:
             workspace = _label(raw)
-        except ValueError:
-            invalid.append("workspace")
+        except ValueError as exc:
+            _refused(invalid, names, "workspace", names.workspace, exc)
     if (raw := get(names.starred)) is not None:
         try:
             starred = _starred(raw)
-        except ValueError:
-            invalid.append("starred")
+        except ValueError as exc:
+            _refused(invalid, names, "starred", names.starred, exc)
     if (raw := get(names.prompt_started_at)) is not None:
         try:
             started = _prompt_started_at(raw, now)
-        except ValueError:
-            invalid.append("prompt_started_at")
+        except ValueError as exc:
+            _refused(invalid, names, "prompt_started_at", names.prompt_started_at, exc)
     elif (raw := get(CODEX_TURN_METADATA)) is not None:
         started = _turn_started_at(raw, now)
     elif body and _TURN_METADATA_KEY in body:
@@ -135,8 +168,8 @@ def parse_priority(
     if (raw := get(names.conversation)) is not None:
         try:
             conversation = _label(raw)
-        except ValueError:
-            invalid.append("conversation")
+        except ValueError as exc:
+            _refused(invalid, names, "conversation", names.conversation, exc)
     else:
         conversation = _agent_session(headers)
     return Priority(prompt_started_at=started, workspace=workspace, starred=starred, conversation=conversation,

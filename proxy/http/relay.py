@@ -139,7 +139,7 @@ async def relay(request: web.Request, state: ProxyState, provider: str, rest: st
     priority: Priority | None = None
     try:
         check_header_bytes(request.headers, skip=state.strip_headers)
-        body = await read_body(request, state.config.server.max_body, state.config.server.body_timeout)
+        body = await read_body(request, state.config.server.max_body, state.config.server.body_timeout, invite=True)
         # Only a Responses API body may carry Codex's turn metadata (client_metadata): others are not searched.
         priority, invalid = parse_priority(request.headers, state.priority_headers, time.time(),
                                            body if rest.endswith("responses") else b"")
@@ -152,7 +152,8 @@ async def relay(request: web.Request, state: ProxyState, provider: str, rest: st
         response = error_response(exc)
     except asyncio.CancelledError:
         state.metrics.count_request(provider, "499")
-        account.status, account.outcome = 499, "client_gone"
+        account.outcome = "client_gone"
+        account.status = account.status or 499  # a stream whose headers it had keeps their status
         if priority is not None and getattr(request.protocol, "write_timed_out", False):
             log.warning("provider=%s client accepted no bytes for server.write_timeout; cut off, slot released "
                         "(workspace=%s conversation=%s)", provider, priority.workspace, priority.conversation or "-")
@@ -279,7 +280,8 @@ class Exchange:
                 self.url.host, self.url.port, self.settings.connect_timeout))
         except _ClientGone:
             log.debug("provider=%s client left mid-response", self.provider)
-            self.account.status, self.account.outcome = 499, "client_gone"
+            self.account.outcome = "client_gone"
+            self.account.status = self.account.status or 499
             return self.response or error_response(BadRequest("client disconnected"))
         except aiohttp.ClientError as exc:
             self.account.outcome = "upstream_error"
@@ -358,6 +360,7 @@ class Exchange:
             response.content_length = length
         await _to_client(response.prepare(self.request))
         self.account.first_byte()
+        self.account.status = upstream.status  # what the client got, even if it leaves before the end
         if prefix:
             await _to_client(response.write(prefix))
         usage = self.account.usage = UsageReader()

@@ -35,7 +35,7 @@ from .access import ClientKeys
 from .accounting import Account
 from .connections import ConnectionGuard, ConnectionSettings
 from .guard import BrowserGuard
-from .headers import PriorityHeaders
+from .headers import InvalidHeaderLog, PriorityHeaders
 from .idle import IdleWatch
 from .metrics import Metrics
 from .state import StarOverrides, StateStore, StateWriter
@@ -123,6 +123,10 @@ class ProxyState:
         self.config_path = config_path
         self.worker = worker
         self.config_error: str | None = None
+        self.config_missing_since: float | None = None
+        """When the config file was found gone (epoch seconds), None while it is there."""
+        self.header_refusals = InvalidHeaderLog()
+        """Kept across reloads, so a reload does not restart its once a minute."""
         self.backend: Backend = backend or make_backend(config)
         self.open_sockets = OpenSockets()
         self.metrics = Metrics(lambda: self.backend.statistics(queue_detail=False), self.backend.backend_status,
@@ -169,7 +173,7 @@ class ProxyState:
         names = config.headers
         self.priority_headers = PriorityHeaders(
             workspace=names.workspace, starred=names.starred, prompt_started_at=names.prompt_started_at,
-            conversation=names.conversation, max_prompt_age=names.max_prompt_age,
+            conversation=names.conversation, max_prompt_age=names.max_prompt_age, refusals=self.header_refusals,
         )
         self.strip_headers = self.priority_headers.names()
         server = config.server

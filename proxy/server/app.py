@@ -5,14 +5,14 @@ from __future__ import annotations
 from functools import partial
 from typing import cast
 
-import aiohttp
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
+from yarl import URL
 
 from ..admin import history
 from ..admin import routes as admin_routes
 from ..config.types import RESERVED_PROVIDER_IDS
-from ..errors import BadRequest, BodyTooLarge, Forbidden, ProxyError, UnknownProvider
+from ..errors import BadRequest, Forbidden, ProxyError, UnknownProvider
 from ..http.answers import ALLOWED_ORIGIN, Answer, json_answer
 from ..http.connections import GuardedRunner, Handler
 from ..http.guard import check_path
@@ -56,10 +56,7 @@ def guarded(state: ProxyState, handle: Handler) -> Handler:
             if provider is None:
                 response = await handle(request)
             else:  # the application's requests are web.Requests: it makes them
-                relayed = cast(web.Request, request)
-                refused = await _answer_expect(relayed, state.config.server.max_body) \
-                    if request.headers.get("Expect") else None
-                response = refused if refused is not None else await relay(relayed, state, provider, rest)
+                response = await relay(cast(web.Request, request), state, provider, rest)
         except ProxyError as exc:
             response = error_response(exc)
         except web.HTTPException as exc:  # the router's 404 and 405
@@ -126,19 +123,34 @@ def _method_not_allowed(message: str) -> web.Response:
     return json_answer(BadRequest(message).body(), status=405)
 
 
-async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
-    return await _answer_expect(request, request.app[STATE].config.server.max_body)
+async def _relay_invites(request: web.Request) -> None:
+    """Provider routes leave ``Expect: 100-continue`` to the relay, which refuses an oversized body before
+    inviting it, and records the refusal like any other request's end."""
 
 
-async def _answer_expect(request: web.Request, max_body: int) -> web.StreamResponse | None:
-    """Refuse an oversized body before the client sends it, instead of inviting it with 100 Continue."""
-    if request.version != aiohttp.HttpVersion11 or request.headers.get("Expect", "").lower() != "100-continue":
-        return None
-    if request.content_length is not None and request.content_length > max_body:
-        return error_response(BodyTooLarge(
-            f"request body of {request.content_length} bytes is over server.max_body ({max_body} bytes)"))
-    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    return None
+async def _root(request: web.Request) -> web.Response:
+    """``GET /``: where the dashboard is and which provider routes lead where (the upstream's host, never its
+    key). With client keys on, the routes are named only to a client that presents a valid one."""
+    state = request.app[STATE]
+    routes: list[dict[str, str]] = []
+    if _may_see_providers(state, request):
+        for name in state.provider_names():
+            settings = state.provider(name)
+            if settings is not None:
+                host = URL(settings.upstream).host_port_subcomponent or ""
+                routes.append({"provider": name, "route": f"/{name}/", "upstream_host": host})
+    return json_answer({"service": "slotproxy", "dashboard": "/_slotproxy/", "status": "/_slotproxy/status",
+                        "usage": "/_slotproxy/usage", "metrics": "/metrics", "providers": routes})
+
+
+def _may_see_providers(state: ProxyState, request: web.Request) -> bool:
+    if state.client_keys is None:
+        return True
+    try:
+        state.client_keys.check(request.headers, provider_key_injected=True)
+    except Forbidden:
+        return False
+    return True
 
 
 def _build_app(state: ProxyState) -> web.Application:
@@ -146,8 +158,9 @@ def _build_app(state: ProxyState) -> web.Application:
     app = web.Application(client_max_size=state.config.server.max_body + 1)
     app[STATE] = state
     admin_routes.add_routes(app)
-    app.router.add_route("*", "/{provider}", proxy_handler, expect_handler=_expect_continue)
-    app.router.add_route("*", "/{provider}/{rest:[\\s\\S]*}", proxy_handler, expect_handler=_expect_continue)
+    app.router.add_get("/", _root)
+    app.router.add_route("*", "/{provider}", proxy_handler, expect_handler=_relay_invites)
+    app.router.add_route("*", "/{provider}/{rest:[\\s\\S]*}", proxy_handler, expect_handler=_relay_invites)
     sampler = history.HistorySampler(state.backend, history.History(history.SAMPLE_INTERVAL))
     app[admin_routes.HISTORY] = sampler.history
     app.cleanup_ctx.append(sampler.running)

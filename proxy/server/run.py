@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import logging
 import signal
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -28,23 +29,36 @@ __all__ = ["ConfigWatcher", "dashboard_url", "serve", "serve_workers", "shutdown
 log = logging.getLogger("slotproxy")
 
 
+_GONE = b""
+"""The digest of a config file that is not there (deleted, or moved away)."""
+
+
 class ConfigWatcher:
     """Applies edits to the config file: content changes (also a symlink swap) and SIGHUP.
 
     A reload is parse → validate → swap. An invalid file is refused whole; the
     running config stays and the error is kept in status until a valid edit.
+    A file that is gone is said once (and kept in status as ``missing_since``);
+    the running config stays, and the file is read again as soon as it is back.
     """
 
-    def __init__(self, state: ProxyState, path: str, interval: float = 1.0) -> None:
+    def __init__(self, state: ProxyState, path: str, interval: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self._state = state
         self._path = Path(path)
         self._interval = interval
+        self._clock = clock
         self._digest = self._read_digest()
+        if self._digest is _GONE:
+            self._gone()
         self._task: asyncio.Task[None] | None = None
 
     def _read_digest(self) -> bytes | None:
+        """The content's digest, ``_GONE`` when there is no file, None when it cannot be read now."""
         try:
             return hashlib.sha256(self._path.read_bytes()).digest()
+        except FileNotFoundError:
+            return _GONE
         except OSError:
             return None
 
@@ -57,13 +71,33 @@ class ConfigWatcher:
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
-            digest = self._read_digest()
-            if digest is not None and digest != self._digest:
-                self._digest = digest
-                self.reload("file changed")
+            self.check()
+
+    def check(self) -> None:
+        """One poll: reload when the content changed or the file is back; say once that it is gone."""
+        digest = self._read_digest()
+        if digest is None or digest == self._digest:
+            return
+        if digest is _GONE:
+            self._digest = digest
+            self._gone()
+        else:
+            self.reload("file is back" if self._state.config_missing_since is not None else "file changed")
+
+    def _gone(self) -> None:
+        if self._state.config_missing_since is None:
+            self._state.config_missing_since = self._clock()
+            log.warning("config file %s is missing (deleted or moved away); keeping the running config, and "
+                        "reading the file again as soon as it is back", self._path)
 
     def reload(self, reason: str) -> bool:
-        self._digest = self._read_digest() or self._digest
+        digest = self._read_digest()
+        if digest is _GONE:
+            self._digest = digest
+            self._gone()
+            return False
+        self._digest = digest or self._digest
+        self._state.config_missing_since = None
         try:
             config = load_config(self._path)
         except ConfigError as exc:

@@ -35,7 +35,7 @@ async def test_status_shows_every_field_and_the_queue_in_admission_order(start_u
         assert resp.status == 200
         body = await resp.json()
     assert set(body) == {"providers", "backend", "config"}
-    assert set(body["config"]) == {"path", "loaded_at", "error"}
+    assert set(body["config"]) == {"path", "loaded_at", "error", "missing_since"}
     (entry,) = body["providers"]
     assert set(entry) == PROVIDER_FIELDS
     assert (entry["limit"], entry["configured_limit"], entry["in_flight"], entry["queued"]) == (1, 1, 1, 2)

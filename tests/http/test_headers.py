@@ -8,17 +8,22 @@ The header values below are copied from Codex CLI 0.171 and Claude Code 2.1.197 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from multidict import CIMultiDict
 
 from proxy.http.headers import (
+    InvalidHeaderLog,
     PriorityHeaders,
     client_wait_limit,
     forward_request_headers,
     forward_response_headers,
     parse_priority,
 )
+from proxy.limiter import FakeClock
+
+from ..conftest import chat, provider_yaml
 
 NOW = 1_796_118_500.0
 CODEX_METADATA = json.dumps({
@@ -102,3 +107,66 @@ def test_relayed_response_headers_keep_repeats_and_cors_only_when_asked() -> Non
     assert list(forward_response_headers(incoming).items()) == [
         ("Content-Type", "application/json"), ("Set-Cookie", "a=1"), ("Set-Cookie", "b=2")]
     assert forward_response_headers(incoming, keep_cors=True)["Access-Control-Allow-Origin"] == "*"
+
+
+# ----- an invalid priority header is said, once a minute per header, never with its value --------------------
+
+
+def refusal_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.name == "slotproxy.headers"]
+
+
+def test_an_invalid_priority_header_is_said_once_a_minute_per_header_with_why_and_never_its_value(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="slotproxy.headers")
+    clock = FakeClock(NOW)
+    names = PriorityHeaders(refusals=InvalidHeaderLog(clock=clock.time))
+    starred_bad = {"X-Workspace-Starred": "maybe-SECRET-1"}
+    for _ in range(5):  # 40 s of the same bad value: one line, each still counted by its caller
+        assert parse_priority(starred_bad, names, NOW)[1] == ["starred"]
+        clock.advance(10)
+    parse_priority({"X-Workspace-Id": "SECRET-2" + "w" * 300, "X-Prompt-Started-At": "2024-13-45T00:00:00Z"},
+                   names, NOW)
+    assert refusal_lines(caplog) == [
+        ("priority header X-Workspace-Starred (headers.starred) refused: not one of 1, true, yes, on, 0, false, "
+        "no, off; its default is used"),
+        "priority header X-Workspace-Id (headers.workspace) refused: longer than 256 characters; its default is used",
+        ("priority header X-Prompt-Started-At (headers.prompt_started_at) refused: an RFC 3339 time that is no real "
+        "date or time of day; its default is used"),
+    ]
+    clock.advance(20)  # a minute after the first line
+    parse_priority({"X-Workspace-Starred": "SECRET-3", "X-Prompt-Started-At": "SECRET-4"}, names, NOW)
+    assert refusal_lines(caplog)[3:] == [
+        ("priority header X-Workspace-Starred (headers.starred) refused: not one of 1, true, yes, on, 0, false, "
+        "no, off; its default is used (5 since the last report)"),
+    ], "the prompt start's own minute has not passed"
+    assert not any("SECRET" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize(("header", "value", "why"), [
+    ("X-Workspace-Id", "   ", "empty, or not printable ASCII"),
+    ("X-Conversation-Id", "conversation\u00e9", "empty, or not printable ASCII"),
+    ("X-Prompt-Started-At", "yesterday", "neither epoch milliseconds nor an RFC 3339 time"),
+    ("X-Prompt-Started-At", "0946684799000", "before 2000-01-01 or more than 5 minutes ahead of this proxy's clock"),
+])
+def test_each_refusal_says_which_rule_the_value_broke(caplog, header, value, why) -> None:
+    caplog.set_level(logging.INFO, logger="slotproxy.headers")
+    parse_priority({header: value}, PriorityHeaders(refusals=InvalidHeaderLog()), NOW)
+    (line,) = refusal_lines(caplog)
+    assert line.startswith(f"priority header {header} (") and f"refused: {why};" in line
+
+
+async def test_invalid_priority_headers_through_the_proxy_are_counted_each_and_said_once(
+        start_upstream, start_proxy, client, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="slotproxy.headers")
+    up = await start_upstream()
+    proxy = await start_proxy(provider_yaml(up))
+    for _ in range(3):
+        async with client.post(f"{proxy.url}/openai/chat/completions", json=chat(stream=False),
+                               headers={"X-Workspace-Starred": "SECRET-maybe"}) as resp:
+            assert resp.status == 200, "an invalid priority header never fails the request"
+    assert refusal_lines(caplog) == [
+        ("priority header X-Workspace-Starred (headers.starred) refused: not one of 1, true, yes, on, 0, false, "
+        "no, off; its default is used")]
+    metrics = proxy.state.metrics.render().decode()
+    assert 'slotproxy_invalid_priority_headers_total{header="starred"} 3.0' in metrics
+    assert "SECRET" not in caplog.text

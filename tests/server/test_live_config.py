@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 from proxy.admin.status import status_document
 from proxy.config import load_config
 from proxy.http.runtime import ProxyState
+from proxy.limiter import FakeClock
 from proxy.server.app import start_server
 from proxy.server.run import ConfigWatcher
 
@@ -125,6 +127,78 @@ async def test_changed_priority_header_names_apply_to_new_requests(start_upstrea
         assert "x-team" not in seen and seen["x-workspace-id"] == "kept"
     finally:
         await runner.cleanup()
+
+
+def missing_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [record.getMessage() for record in caplog.records
+            if record.name == "slotproxy" and "is missing" in record.getMessage()]
+
+
+async def test_a_deleted_config_file_is_one_warning_and_status_until_it_is_back(
+    start_upstream, client, tmp_path: Path, caplog
+) -> None:
+    upstream = await start_upstream()
+    path = tmp_path / "slotproxy.yaml"
+    write_config(path, upstream.url, 2)
+    state = ProxyState(load_config(path), config_path=str(path))
+    runner, port = await start_server(state, "127.0.0.1", 0)
+    clock = FakeClock(1_700_000_000.0)
+    watcher = ConfigWatcher(state, str(path), clock=clock.time)
+    caplog.set_level(logging.INFO, logger="slotproxy")
+    try:
+        path.unlink()
+        for _ in range(5):  # five polls and a SIGHUP: one line
+            watcher.check()
+            clock.advance(1)
+        assert not watcher.reload("SIGHUP")
+        assert missing_lines(caplog) == [(
+            f"config file {path} is missing (deleted or moved away); keeping the running config, and reading the "
+            "file again as soon as it is back")]
+        async with client.get(f"http://127.0.0.1:{port}/_slotproxy/status") as resp:
+            config = (await resp.json())["config"]
+        assert (config["missing_since"], config["error"]) == (1_700_000_000_000, None)
+        async with client.post(f"http://127.0.0.1:{port}/openai/chat/completions", json=chat(stream=False)) as resp:
+            assert resp.status == 200, "the running config is kept"
+        assert state.backend.provider_status("openai").limit == 2
+
+        caplog.clear()
+        write_config(path, upstream.url, 5)
+        watcher.check()
+        assert state.config_missing_since is None and state.config_error is None
+        assert state.backend.provider_status("openai").limit == 5
+        assert "config reloaded (file is back): openai.limit 2 → 5" in [r.getMessage() for r in caplog.records]
+        assert status_document(state)["config"]["missing_since"] is None
+
+        caplog.clear()
+        path.unlink()
+        watcher.check()
+        watcher.check()
+        assert len(missing_lines(caplog)) == 1, "gone again: said again, once"
+        write_config(path, upstream.url, 5)
+        watcher.check()
+        assert state.config_missing_since is None, "back with the same content: the warning is cleared all the same"
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_watchers_own_poll_says_a_missing_file_once(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "slotproxy.yaml"
+    write_config(path, "http://127.0.0.1:9", 2)
+    state = ProxyState(load_config(path), config_path=str(path))
+    watcher = ConfigWatcher(state, str(path), interval=0.02)
+    caplog.set_level(logging.INFO, logger="slotproxy")
+    watcher.start()
+    try:
+        path.unlink()
+        await wait_until(lambda: state.config_missing_since is not None, timeout=3, what="the file seen gone")
+        await asyncio.sleep(0.2)  # ten more polls
+        assert len(missing_lines(caplog)) == 1
+        write_config(path, "http://127.0.0.1:9", 3)
+        await wait_until(lambda: state.config_missing_since is None, timeout=3, what="the file seen back")
+        assert state.backend.provider_status("openai").limit == 3
+    finally:
+        await watcher.stop()
+        await state.close()
 
 
 def _status(port: int) -> dict:

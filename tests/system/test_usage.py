@@ -110,7 +110,7 @@ async def test_a_client_gone_mid_stream_is_a_row(start_upstream, start_proxy, tm
     await wait_until(lambda: proxy.status()["in_flight"] == 0, what="the slot released")
     await wait_until(lambda: bool(proxy.state.ledger._pending), what="the row recorded")
     (row,) = await rows(proxy)
-    assert (row["status"], row["outcome"]) == (499, "client_gone")
+    assert (row["status"], row["outcome"]) == (200, "client_gone"), "its 200 headers had reached the client"
 
 
 async def test_a_queue_timeout_is_a_rejected_row_with_its_wait(start_upstream, start_proxy, client,
