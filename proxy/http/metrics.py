@@ -2,30 +2,50 @@
 
 The two updates every request makes (its answer's status, its queue wait) are plain
 integers and a bucket array here, read out when ``/metrics`` is scraped: a request
-pays an index and an add, not prometheus-client's locked per-sample updates."""
+pays an index and an add, not prometheus-client's locked per-sample updates.
+
+Under ``serve --workers N`` every worker answers ``/metrics`` for the whole host, through
+prometheus-client's multiprocess mode: the parent makes a private folder
+(``PROMETHEUS_MULTIPROC_DIR``) before it starts the workers, each worker copies its
+plain counts into its own files there once a second and before it answers a scrape,
+and a scrape adds up every worker's files. A request pays no more than in one process.
+The files are named by worker index, not pid, so a worker that replaces a dead one
+carries on from its counts: the host's counters never go back, and the folder holds
+one set of files per worker however often they were replaced. What the Redis snapshot
+says (slots held, queues, limits) is the fleet's already, and is read at the scrape."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import os
 from bisect import bisect_left
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, generate_latest, values
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from ..ledger.store import TOKEN_COLUMNS, LedgerRow
 from ..limiter import ProviderStatus
 from .heap import process_pauses
 
-__all__ = ["CONTENT_TYPE", "Metrics"]
+__all__ = ["CONTENT_TYPE", "HOST_FILES_ENV", "PUBLISH_EVERY", "Metrics", "worker_gone"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+HOST_FILES_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""The folder the workers of ``serve --workers`` keep their metrics in (prometheus-client's name for it)."""
+PUBLISH_EVERY = 1.0
+"""Seconds between a worker's copies of its counts to the host's files (a scrape on another worker sees them
+at most this late)."""
 _WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
 
 
@@ -57,6 +77,25 @@ _TOKEN_KINDS = tuple(column.removesuffix("_tokens") for column in TOKEN_COLUMNS)
 _GC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, float("inf"))
 
 
+class _Family(NamedTuple):
+    name: str
+    help: str
+    labels: tuple[str, ...]
+
+
+_REQUESTS = _Family("slotproxy_requests", "Requests answered, by the status the client received",
+                    ("provider", "status"))
+_WAITS = _Family("slotproxy_queue_wait_seconds", "Time requests waited for a slot", ("provider",))
+_TOKENS = _Family("slotproxy_tokens", "Tokens the answers stated, by type (input includes cached input; output "
+                  "includes reasoning)", ("provider", "key", "model", "type"))
+_GC_PAUSES = _Family("slotproxy_gc_pause_seconds", "Event-loop stops for garbage collection, by generation",
+                     ("generation",))
+_RECLAIMS = _Family("slotproxy_watchdog_reclaims", "Slots reclaimed after slot_timeout", ("provider",))
+_WEBSOCKETS = _Family("slotproxy_websockets", "Relayed WebSockets open on this replica", ("provider",))
+_DEGRADED = _Family("slotproxy_backend_degraded",
+                    "1 while the shared backend is unreachable (fail_closed or local mode)", ("kind", "mode"))
+
+
 class _GcPauses(Collector):
     """How long the garbage collector stopped the event loop, by generation.
 
@@ -65,16 +104,15 @@ class _GcPauses(Collector):
     process's, so there is one of these per process, shared by every registry."""
 
     def __init__(self) -> None:
-        self._pauses = [_Histogram(_GC_BUCKETS) for _ in range(3)]
+        self.pauses = [_Histogram(_GC_BUCKETS) for _ in range(3)]
         process_pauses().listen(self._observe)
 
     def _observe(self, generation: int, took: float) -> None:
-        self._pauses[generation].observe(took)
+        self.pauses[generation].observe(took)
 
     def collect(self) -> Iterable[Metric]:
-        pauses = HistogramMetricFamily("slotproxy_gc_pause_seconds",
-                                       "Event-loop stops for garbage collection, by generation", labels=["generation"])
-        for generation, histogram in enumerate(self._pauses):
+        pauses = HistogramMetricFamily(_GC_PAUSES.name, _GC_PAUSES.help, labels=_GC_PAUSES.labels)
+        for generation, histogram in enumerate(self.pauses):
             pauses.add_metric([str(generation)], histogram.buckets(), histogram.total)
         yield pauses
 
@@ -91,19 +129,15 @@ class _PerRequestCollector(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterable[Metric]:
-        requests = CounterMetricFamily("slotproxy_requests", "Requests answered, by the status the client received",
-                                       labels=["provider", "status"])
+        requests = CounterMetricFamily(_REQUESTS.name, _REQUESTS.help, labels=_REQUESTS.labels)
         for (provider, status), count in list(self._metrics.request_counts.items()):
             requests.add_metric([provider, status], count)
         yield requests
-        waits = HistogramMetricFamily("slotproxy_queue_wait_seconds", "Time requests waited for a slot",
-                                      labels=["provider"])
+        waits = HistogramMetricFamily(_WAITS.name, _WAITS.help, labels=_WAITS.labels)
         for provider, histogram in list(self._metrics.waits.items()):
             waits.add_metric([provider], histogram.buckets(), histogram.total)
         yield waits
-        tokens = CounterMetricFamily("slotproxy_tokens", "Tokens the answers stated, by type (input includes "
-                                     "cached input; output includes reasoning)",
-                                     labels=["provider", "key", "model", "type"])
+        tokens = CounterMetricFamily(_TOKENS.name, _TOKENS.help, labels=_TOKENS.labels)
         for (provider, key, model), totals in list(self._metrics.tokens.items()):
             for kind, count in zip(_TOKEN_KINDS, totals):
                 if count:
@@ -112,12 +146,17 @@ class _PerRequestCollector(Collector):
 
 
 class _SnapshotCollector(Collector):
+    """The status snapshot's gauges; with ``per_replica`` False (a worker of ``serve --workers``), only what
+    the snapshot says of the whole fleet: this replica's own reclaims, WebSockets and backend health come
+    from every worker's files instead."""
+
     def __init__(self, snapshot: Callable[[], list[ProviderStatus]],
                  backend: Callable[[], dict[str, object]] | None,
-                 sockets: Callable[[str], int] | None = None) -> None:
+                 sockets: Callable[[str], int] | None = None, *, per_replica: bool = True) -> None:
         self._snapshot = snapshot
         self._backend = backend
         self._sockets = sockets
+        self._per_replica = per_replica
 
     def collect(self) -> Iterable[Metric]:
         gauges = {
@@ -137,9 +176,8 @@ class _SnapshotCollector(Collector):
             "limit": GaugeMetricFamily("slotproxy_model_limit", "Limit of one model cap (NaN when unlimited)", labels=["provider", "model"]),
         }
         reductions = CounterMetricFamily("slotproxy_auto_reductions", "Limit reductions after upstream backoffs", labels=["provider"])
-        reclaims = CounterMetricFamily("slotproxy_watchdog_reclaims", "Slots reclaimed after slot_timeout", labels=["provider"])
-        websockets = GaugeMetricFamily("slotproxy_websockets", "Relayed WebSockets open on this replica",
-                                       labels=["provider"])
+        reclaims = CounterMetricFamily(_RECLAIMS.name, _RECLAIMS.help, labels=_RECLAIMS.labels)
+        websockets = GaugeMetricFamily(_WEBSOCKETS.name, _WEBSOCKETS.help, labels=_WEBSOCKETS.labels)
         for status in self._snapshot():
             labels = [status.provider]
             gauges["in_flight"].add_metric(labels, status.in_flight)
@@ -165,23 +203,95 @@ class _SnapshotCollector(Collector):
         yield from per_key.values()
         yield from per_model.values()
         yield reductions
+        if not self._per_replica:
+            return
         yield reclaims
         yield websockets
         if self._backend is not None:
-            info = self._backend()
-            degraded = GaugeMetricFamily("slotproxy_backend_degraded",
-                                         "1 while the shared backend is unreachable (fail_closed or local mode)",
-                                         labels=["kind", "mode"])
-            degraded.add_metric([str(info.get("kind")), str(info.get("mode") or "-")], 0 if info.get("healthy") else 1)
+            degraded = GaugeMetricFamily(_DEGRADED.name, _DEGRADED.help, labels=_DEGRADED.labels)
+            labels, value = _degraded(self._backend())
+            degraded.add_metric(labels, value)
             yield degraded
 
 
+def _degraded(info: dict[str, object]) -> tuple[list[str], int]:
+    return [str(info.get("kind")), str(info.get("mode") or "-")], 0 if info.get("healthy") else 1
+
+
+class _HostFiles:
+    """This worker's series in the host's folder, as prometheus-client's multiprocess values: a count goes in
+    as what it grew by since it last went in (added to what a dead predecessor left), a gauge as its value."""
+
+    def __init__(self) -> None:
+        self._series: dict[tuple[str, tuple[str, ...]], tuple[Any, list[float | None]]] = {}
+
+    def total(self, kind: str, family: _Family, sample: str, labels: Sequence[str], count: float, *,
+              names: Sequence[str] | None = None, always: bool = False) -> None:
+        """``count``: what this process has counted since it started (it never goes down; a lower one is
+        ignored). A series still at 0 is left out unless ``always``."""
+        entry = self._series.get((sample, tuple(labels)))
+        if entry is None:
+            if not (count or always):
+                return
+            entry = self._add(kind, family, sample, labels, names, "", 0.0)
+        value, published = entry
+        last = published[0] or 0.0
+        if count > last:
+            value.inc(count - last)
+            published[0] = count
+
+    def histogram(self, family: _Family, labels: Sequence[str], histogram: _Histogram) -> None:
+        names = (*family.labels, "le")
+        for bound, count in zip(histogram.bounds, histogram.counts, strict=True):
+            self.total("histogram", family, family.name + "_bucket", (*labels, floatToGoString(bound)), count,
+                       names=names, always=True)
+        self.total("histogram", family, family.name + "_sum", labels, histogram.total, always=True)
+
+    def gauge(self, family: _Family, mode: str, labels: Sequence[str], reading: float) -> None:
+        entry = self._series.get((family.name, tuple(labels)))
+        if entry is None:
+            entry = self._add("gauge", family, family.name, labels, None, mode, None)
+        value, published = entry
+        if published[0] != reading:
+            value.set(reading)
+            published[0] = reading
+
+    def _add(self, kind: str, family: _Family, sample: str, labels: Sequence[str], names: Sequence[str] | None,
+             mode: str, published: float | None) -> tuple[Any, list[float | None]]:
+        value = values.ValueClass(kind, family.name, sample, tuple(names or family.labels), tuple(labels),
+                                  family.help, multiprocess_mode=mode)
+        entry = self._series[(sample, tuple(labels))] = (value, [published])
+        return entry
+
+
+@functools.cache
+def _name_files_by_worker(index: int) -> None:
+    """prometheus-client names a process's files by its pid; by worker index instead, a worker that replaces
+    a dead one reads its predecessor's counts from them and adds to those (once per process: two sets of
+    values on one file would overwrite each other)."""
+    values.ValueClass = values.MultiProcessValue(lambda: str(index))
+
+
+def worker_gone(folder: str, index: int) -> None:
+    """Worker ``index`` exited: its gauges go with it (its counts stay, for the next worker ``index``)."""
+    mark_process_dead(str(index), folder)
+
+
 class Metrics:
-    """One registry per proxy instance, so several proxies in one process never collide."""
+    """One registry per proxy instance, so several proxies in one process never collide.
+
+    ``worker``: this process is worker N of ``serve --workers``; where the parent made the host's folder
+    (``PROMETHEUS_MULTIPROC_DIR``), what it renders is the whole host's (see the module's docstring)."""
 
     def __init__(self, snapshot: Callable[[], list[ProviderStatus]],
                  backend: Callable[[], dict[str, object]] | None = None,
-                 sockets: Callable[[str], int] | None = None) -> None:
+                 sockets: Callable[[str], int] | None = None, *, worker: int | None = None) -> None:
+        folder = os.environ.get(HOST_FILES_ENV) if worker is not None else None
+        if folder and worker is not None:
+            _name_files_by_worker(worker)  # before the first value below is made
+        self._snapshot = snapshot
+        self._backend = backend
+        self._sockets = sockets
         self.registry = CollectorRegistry(auto_describe=False)
         self.backoffs = Counter(
             "slotproxy_upstream_backoff", "Upstream backoff answers (429, 529, in-stream rate-limit errors)",
@@ -203,6 +313,12 @@ class Metrics:
         self.registry.register(_PerRequestCollector(self))
         self.registry.register(_SnapshotCollector(snapshot, backend, sockets))
         self.registry.register(_process_gc_pauses())
+        self._host: _HostFiles | None = None
+        if folder:
+            self._host = _HostFiles()
+            self._host_registry = CollectorRegistry(auto_describe=False)
+            MultiProcessCollector(self._host_registry, folder)
+            self._host_registry.register(_SnapshotCollector(snapshot, backend, sockets, per_replica=False))
 
     def count_request(self, provider: str, status: str) -> None:
         key = (provider, status)
@@ -228,4 +344,42 @@ class Metrics:
         histogram.observe(seconds)
 
     def render(self) -> bytes:
+        if self._host is not None:
+            self.publish()
+            return generate_latest(self._host_registry)
         return generate_latest(self.registry)
+
+    @property
+    def host_wide(self) -> bool:
+        """True in a worker of ``serve --workers``, whose counts go to the host's files."""
+        return self._host is not None
+
+    def publish(self) -> None:
+        """This worker's counts and gauges to its files in the host's folder (in one process: nothing)."""
+        host = self._host
+        if host is None:
+            return
+        for (provider, status), count in list(self.request_counts.items()):
+            host.total("counter", _REQUESTS, _REQUESTS.name + "_total", (provider, status), count)
+        for provider, histogram in list(self.waits.items()):
+            host.histogram(_WAITS, (provider,), histogram)
+        for (provider, key, model), totals in list(self.tokens.items()):
+            for kind, count in zip(_TOKEN_KINDS, totals):
+                host.total("counter", _TOKENS, _TOKENS.name + "_total", (provider, key, model, kind), count)
+        for generation, histogram in enumerate(_process_gc_pauses().pauses):
+            host.histogram(_GC_PAUSES, (str(generation),), histogram)
+        for snapshot in self._snapshot():
+            provider = snapshot.provider
+            host.total("counter", _RECLAIMS, _RECLAIMS.name + "_total", (provider,),
+                       snapshot.counters.get("reclaims", 0), always=True)
+            if self._sockets is not None:
+                host.gauge(_WEBSOCKETS, "livesum", (provider,), self._sockets(provider))
+        if self._backend is not None:
+            labels, value = _degraded(self._backend())
+            host.gauge(_DEGRADED, "livemax", labels, value)
+
+    async def publish_every(self, seconds: float = PUBLISH_EVERY) -> None:
+        """Publish until cancelled (a worker's task)."""
+        while True:
+            await asyncio.sleep(seconds)
+            self.publish()

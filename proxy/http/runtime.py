@@ -22,7 +22,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from ..backends import Backend, MemoryBackend
@@ -44,8 +43,7 @@ from .upstreams import Upstreams
 if TYPE_CHECKING:
     from ..backends.redis import RedisTarget
 
-__all__ = ["OpenSocket", "OpenSockets", "ProxyState", "limiter_settings", "make_backend", "redis_target",
-           "worker_file"]
+__all__ = ["OpenSocket", "OpenSockets", "ProxyState", "limiter_settings", "make_backend", "redis_target"]
 
 log = logging.getLogger("slotproxy")
 
@@ -70,11 +68,6 @@ def limiter_settings(settings: ProviderSettings, environ: Mapping[str, str] | No
         max_share=max_share,
         budgets=settings.budgets,
     )
-
-
-def worker_file(path: Path, worker: int) -> Path:
-    """Worker N's own file beside ``path``: ``slotproxy-ledger.sqlite`` → ``slotproxy-ledger-w2.sqlite``."""
-    return path.with_name(f"{path.stem}-w{worker}{path.suffix}")
 
 
 class OpenSocket(Protocol):
@@ -117,9 +110,10 @@ class ProxyState:
 
     def __init__(self, config: Config, *, config_path: str | None = None, backend: Backend | None = None,
                  worker: int | None = None) -> None:
-        """``worker``: this process is worker N of ``serve --workers``. Its ledger is a file of its own
-        (:func:`worker_file`) and it keeps no state file: the workers share their state through Redis, and
-        a file several processes rewrite whole would keep only the last writer's view."""
+        """``worker``: this process is worker N of ``serve --workers``. It writes the host's one ledger with
+        the other workers, its metrics go to the host's files, and it keeps no state file: the workers share
+        their state through Redis, and a file several processes rewrite whole would keep only the last
+        writer's view."""
         self.config_path = config_path
         self.worker = worker
         self.config_error: str | None = None
@@ -130,7 +124,7 @@ class ProxyState:
         self.backend: Backend = backend or make_backend(config)
         self.open_sockets = OpenSockets()
         self.metrics = Metrics(lambda: self.backend.statistics(queue_detail=False), self.backend.backend_status,
-                               self.open_sockets.count)
+                               self.open_sockets.count, worker=worker)
         self.upstreams = Upstreams()
         self.idle_watch = IdleWatch()
         """The idle_timeout deadlines of the upstream exchanges in flight."""
@@ -138,8 +132,6 @@ class ProxyState:
         state_path = None if worker is not None else beside_config(config.state.path, config_path)
         self.state_file = StateWriter(StateStore(state_path), self._runtime_state)
         ledger_path = beside_config(config.ledger.path, config_path)
-        if ledger_path is not None and worker is not None:
-            ledger_path = worker_file(ledger_path, worker)
         self.ledger = Ledger(ledger_path, config.ledger.retention, on_dropped=self.metrics.ledger_dropped.inc)
         self.pollers = GatePollers()
         self.listen_host = config.server.host

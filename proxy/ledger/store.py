@@ -4,7 +4,10 @@ The event loop only appends a row to a list (no I/O, no lock). At most once a
 second what has gathered goes to the writer, a process of its own
 (:mod:`proxy.ledger.writer`), which writes it in one transaction (WAL mode, so
 readers never wait for it), deletes rows older than ``retention`` once an hour
-and answers the usage queries, so the database is only ever touched there.
+and answers the usage queries, so the database is only ever touched there. The
+workers of ``serve --workers`` each have such a writer, all on the host's one file
+(see :mod:`proxy.ledger.writer`), so a usage query on any of them reads every
+worker's rows (another worker's last second of rows once it has written them).
 
 A ledger that cannot be written (disk full, file locked, folder gone, the writer
 process killed) never fails or delays a request: the rows of a failed write are

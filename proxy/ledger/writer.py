@@ -12,6 +12,12 @@ answer is ``("ok", result)`` or ``("error", what happened in words)``. It ends w
 closing the ledger, or the proxy gone however it went, so it never outlives it. Ctrl-C and SIGTERM, which
 reach a terminal's whole process group, are the proxy's to act on; it writes what is pending, then closes
 the pipe. Only the standard library is imported here, so the process starts in milliseconds.
+
+Under ``serve --workers N`` each worker has a writer of its own, and all of them write the host's one file:
+SQLite in WAL mode is made for several processes of one host writing one database (each transaction takes
+the file's write lock for the few milliseconds it lasts; the others wait for it, ``_BUSY_WAIT`` at most), and
+a worker that dies takes only its own second of rows with it. The parent creates the database before the
+workers start (:func:`create`), so no two writers race to switch a new file to WAL.
 """
 
 from __future__ import annotations
@@ -24,8 +30,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
-__all__ = ["COLUMNS", "HEADER", "INSERT", "SCHEMA", "TOKEN_COLUMNS", "Writer", "main", "payload_size", "read_frame",
-           "words", "write_frame"]
+__all__ = ["COLUMNS", "HEADER", "INSERT", "SCHEMA", "TOKEN_COLUMNS", "Writer", "create", "main", "payload_size",
+           "read_frame", "words", "write_frame"]
 
 TOKEN_COLUMNS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
 COLUMNS = ("ended_at", "provider", "key", "model", "workspace", "starred", "conversation", "transport", "status",
@@ -43,6 +49,8 @@ _ROWS_PER_INSERT = 50
 """Rows one INSERT statement carries: a second's batch is a few dozen statements, not thousands."""
 _INSERT_MANY = INSERT + f", ({', '.join('?' * len(COLUMNS))})" * (_ROWS_PER_INSERT - 1)
 _PRUNE_EVERY = 3600.0
+_BUSY_WAIT = 2.0
+"""Seconds a statement waits while another process's transaction holds the file (other workers' writers)."""
 HEADER = 4
 """Each message's length, in bytes before it (big-endian)."""
 
@@ -93,7 +101,7 @@ class Writer:
     def _connected(self) -> sqlite3.Connection:
         """Open (or create) the database in WAL mode, so readers never wait for the writer."""
         if self._connection is None:
-            connection = sqlite3.connect(self.path, timeout=0.5, isolation_level=None)
+            connection = sqlite3.connect(self.path, timeout=_BUSY_WAIT, isolation_level=None)
             try:
                 connection.execute("PRAGMA journal_mode=WAL")
                 connection.execute("PRAGMA synchronous=NORMAL")
@@ -103,6 +111,16 @@ class Writer:
                 raise
             self._connection = connection
         return self._connection
+
+
+def create(path: str) -> None:
+    """Create the database (WAL mode, the table) if it is not there yet; raises ``sqlite3.Error`` or
+    ``OSError``."""
+    writer = Writer(path)
+    try:
+        writer.handle(("open",))
+    finally:
+        writer.close()
 
 
 def write_frame(message: Any) -> bytes:

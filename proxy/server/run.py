@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import signal
+import sqlite3
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -14,15 +16,23 @@ from typing import Any
 from aiohttp import web
 
 from ..aio import cancel_and_wait
-from ..config import Config, ConfigError, load_config
+from ..config import Config, ConfigError, beside_config, load_config
 from ..config.diff import config_changes, describe_changes
 from ..errors import ShuttingDown
 from ..http.connections import install_accept_error_log, raise_open_files_limit
 from ..http.heap import HeapKeeper, settle_heap
+from ..http.metrics import HOST_FILES_ENV, worker_gone
 from ..http.runtime import ProxyState
 from ..limiter import LoopClock
 from .app import start_server
-from .workers import Reservation, Supervisor, WorkerLink, worker_command
+from .workers import (
+    Reservation,
+    Supervisor,
+    WorkerLink,
+    metrics_folder,
+    worker_command,
+    worker_environment,
+)
 
 __all__ = ["ConfigWatcher", "dashboard_url", "serve", "serve_workers", "shutdown"]
 
@@ -166,6 +176,7 @@ async def _serve(config: Config, path: str, host: str, port: int, worker: Worker
     settle_heap()
     heap = HeapKeeper(lambda: state.active_requests, LoopClock(loop))
     heap.start()
+    publisher = loop.create_task(state.metrics.publish_every()) if state.metrics.host_wide else None
     if worker is None:
         log.info("slotproxy listening on http://%s:%d (providers: %s; config %s); dashboard: %s",
                  host, bound, ", ".join(config.provider_names()) or "none", path, dashboard_url(host, bound))
@@ -175,6 +186,8 @@ async def _serve(config: Config, path: str, host: str, port: int, worker: Worker
     heap.stop()
     await watcher.stop()
     await shutdown(state, runner)
+    await cancel_and_wait(publisher)
+    state.metrics.publish()
     if worker is not None:
         worker.close()
     return 0
@@ -215,15 +228,30 @@ def serve_workers(config: Config, path: str, host: str, reservation: Reservation
                  "dashboard: %s", host, port, count, ", ".join(map(str, pids)),
                  ", ".join(config.provider_names()) or "none", path, dashboard_url(host, port))
 
-    supervisor = Supervisor(count, worker_command(path, host, port, log_format, log_level), grace=current_grace,
-                            on_ready=started)
-    try:
-        code = asyncio.run(supervisor.run())
-    finally:
-        reservation.close()
+    _create_ledger(config, path)
+    with metrics_folder() as folder:
+        supervisor = Supervisor(count, worker_command(path, host, port, log_format, log_level), grace=current_grace,
+                                on_ready=started, on_exit=lambda index: worker_gone(folder, index),
+                                env={**worker_environment(), HOST_FILES_ENV: folder})
+        try:
+            code = asyncio.run(supervisor.run())
+        finally:
+            reservation.close()
     if code == 0:
         log.info("slotproxy stopped")
     return code
+
+
+def _create_ledger(config: Config, path: str) -> None:
+    """The workers' one ledger, made before they start (what fails here fails again in each worker, which
+    says so and serves on)."""
+    ledger = beside_config(config.ledger.path, path)
+    if ledger is None:
+        return
+    from ..ledger.writer import create
+
+    with contextlib.suppress(sqlite3.Error, OSError):
+        create(str(ledger))
 
 
 def _event_loop_runner() -> Callable[[Coroutine[Any, Any, int]], int]:

@@ -23,25 +23,34 @@ The parent holds the port for as long as it runs: a socket bound with
 ``SO_REUSEPORT`` alone (no ``SO_REUSEADDR``), never listening. The workers join
 it; a program that does not set ``SO_REUSEPORT`` cannot take the port while a
 worker is being replaced, and port 0 is resolved once, for every worker.
+
+The workers answer ``/metrics`` and ``/usage`` for the whole host: the parent makes
+a private folder for their metrics files (``PROMETHEUS_MULTIPROC_DIR``, see
+:mod:`proxy.http.metrics`) before it starts them, clears a dead worker's gauges
+from it, and removes it when the fleet stops; and they write one ledger
+(:mod:`proxy.ledger.writer`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bind import bind_every_address
 
-__all__ = ["MARGIN", "Reservation", "Supervisor", "WorkerLink", "backoff", "describe_exit", "reserve",
-           "reuse_port_missing", "worker_command", "worker_environment"]
+__all__ = ["MARGIN", "Reservation", "Supervisor", "WorkerLink", "backoff", "describe_exit", "metrics_folder",
+           "reserve", "reuse_port_missing", "worker_command", "worker_environment"]
 
 log = logging.getLogger("slotproxy")
 
@@ -112,6 +121,16 @@ def worker_environment() -> dict[str, str]:
     root = str(Path(__file__).resolve().parents[2])
     paths = [root, *[entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry and entry != root]]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+@contextlib.contextmanager
+def metrics_folder() -> Iterator[str]:
+    """A fresh folder only this user can read, for the workers' metrics files; removed with what is in it."""
+    folder = tempfile.mkdtemp(prefix="slotproxy-metrics-")
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ----- the worker's side -----------------------------------------------------------------------------------
@@ -185,12 +204,15 @@ class Supervisor:
     """
 
     def __init__(self, count: int, command: Callable[[int, int], Sequence[str]], *, grace: Callable[[], float],
-                 on_ready: Callable[[list[int]], None] | None = None, env: Mapping[str, str] | None = None,
+                 on_ready: Callable[[list[int]], None] | None = None,
+                 on_exit: Callable[[int], None] | None = None, env: Mapping[str, str] | None = None,
                  margin: float = MARGIN) -> None:
+        """``on_exit(index)``: worker ``index`` has exited (before any replacement starts)."""
         self._workers = [_Worker(index) for index in range(1, count + 1)]
         self._command = command
         self._grace = grace
         self._on_ready = on_ready
+        self._on_exit = on_exit
         self._env = dict(env) if env is not None else worker_environment()
         self._margin = margin
         self._up = False
@@ -285,6 +307,8 @@ class Supervisor:
                 delay = backoff(worker.quick_deaths)
                 log.error("could not start worker %d: %s; trying again in %gs", worker.index, exc, delay)
                 continue
+            if self._on_exit is not None:
+                self._on_exit(worker.index)
             if self._stopping:
                 return
             if not worker.ever_ready and not self._up:

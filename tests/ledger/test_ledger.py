@@ -3,6 +3,7 @@ report's queries and the fleet's hourly encoding."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from proxy.errors import AdminError
 from proxy.ledger.fleet import FleetUsage, usage_key
 from proxy.ledger.report import answer, parse_query, queue_median_sql, totals_sql
 from proxy.ledger.store import COLUMNS, Ledger, LedgerRow
-from proxy.ledger.writer import read_frame, write_frame
+from proxy.ledger.writer import create, read_frame, write_frame
 
 NOW_MS = 1_800_000_123_456
 
@@ -220,3 +221,31 @@ def test_the_writer_never_outlives_the_proxy(tmp_path: Path) -> None:
     writer.stdin.close()
     assert writer.wait(timeout=5) == 0
     writer.stdout.close()
+
+
+async def test_the_writers_of_several_workers_share_one_file_and_each_reads_every_row(tmp_path: Path) -> None:
+    """``serve --workers``: each worker's writer appends to the host's one file. A writer that finds the file
+    held by another's transaction waits for it rather than dropping its batch, and a usage query in any of
+    them reads the rows all of them wrote."""
+    path = tmp_path / "ledger.sqlite"
+    create(str(path))
+    ledgers = [Ledger(path, retention=86400) for _ in range(3)]
+    for ledger in ledgers:
+        await ledger.start()
+    for n, ledger in enumerate(ledgers):
+        for k in range(40):
+            ledger.record(row(ended_at=NOW_MS + k, conversation=f"w{n}-{k}"))
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another writer's transaction, held long
+    flushes = asyncio.gather(*(ledger.flush() for ledger in ledgers))
+    await asyncio.sleep(0.8)
+    holder.execute("COMMIT")
+    holder.close()
+    await flushes
+    assert [ledger.dropped for ledger in ledgers] == [0, 0, 0]
+    query = parse_query({"by": "conversation", "since": str(NOW_MS), "until": str(NOW_MS + 100)}, now_ms=NOW_MS)
+    for ledger in ledgers:
+        rows = await ledger.query(*totals_sql(query))
+        assert len(rows) == 120
+    for ledger in ledgers:
+        await ledger.close()

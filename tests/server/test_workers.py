@@ -1,14 +1,16 @@
 """``slotproxy serve --workers N`` (SPEC, "All the cores of one host"): real processes on one port, a real Redis.
 
 Which worker served a connection is read where the OS says it: the proxy's end of the test's connection is a
-socket in ``/proc/net/tcp`` whose inode one worker's ``/proc/<pid>/fd`` points at. The workers' own ledgers
-(``ledger-w1.sqlite``, ``ledger-w2.sqlite``) say which of them served the streams.
+socket in ``/proc/net/tcp`` whose inode one worker's ``/proc/<pid>/fd`` points at. Every scrape of ``/metrics``
+and every ``/usage`` is on a connection of its own, so on whichever worker the kernel picks: each must answer
+for the whole host.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -168,8 +170,8 @@ async def test_two_workers_share_one_port_and_one_limit_and_stop_together(
 
     assert await fleet.stop() == 0
     assert fleet.workers() == []
-    rows = [ledger_rows(tmp_path / f"ledger-w{n}.sqlite") for n in (1, 2)]
-    assert sum(rows) == 20 and min(rows) > 0, f"each worker writes its own ledger and both served: {rows}"
+    assert ledger_rows(tmp_path / "ledger.sqlite") == 20, "both workers write the host's one ledger"
+    assert not list(tmp_path.glob("ledger-w*")), "no ledger of a worker's own"
     err = fleet.stderr()
     assert err.count("dashboard: ") == 1, err
     assert "worker=1 " in err and "worker=2 " in err
@@ -267,3 +269,141 @@ async def test_a_worker_that_cannot_start_ends_the_command_with_its_status_not_a
     assert len(starts) == len(set(starts)), f"each worker started once at most, none again: {starts}"
     err = capfd.readouterr().err
     assert "slotproxy: worker 1 cannot start" in err or "slotproxy: worker 2 cannot start" in err
+
+
+# ----- /metrics and /usage answer for the whole host ----------------------------------------------------------
+
+
+async def send(fleet: Fleet, conversation: str) -> int:
+    """One streamed request (with its usage) on a connection of its own; the pid of the worker that served it."""
+    body = {**chat(), "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as session, \
+            session.post(f"{fleet.url}/openai/chat/completions", json=body,
+                         headers={"X-Conversation-Id": conversation}) as resp:
+        assert resp.connection is not None and resp.connection.transport is not None
+        served_by = fleet.serving(resp.connection.transport.get_extra_info("sockname")[1])
+        await resp.read()
+        assert resp.status == 200
+        return served_by
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include ``labels`` (0 when there is none)."""
+    total = 0.0
+    for match in re.finditer(rf"^{name}{{([^}}]*)}} (\S+)$", text, re.MULTILINE):
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if all(found.get(key) == value for key, value in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+async def scrape(fleet: Fleet) -> tuple[float, float, float]:
+    """Requests answered, queue waits observed and input tokens, from ``/metrics`` on a connection of its own."""
+    async with aiohttp.ClientSession() as session, session.get(f"{fleet.url}/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    return (sample(text, "slotproxy_requests_total", provider="openai", status="200"),
+            sample(text, "slotproxy_queue_wait_seconds_count", provider="openai"),
+            sample(text, "slotproxy_tokens_total", provider="openai", type="input"))
+
+
+async def usage(fleet: Fleet) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as session, \
+            session.get(f"{fleet.url}/_slotproxy/usage", params={"by": "conversation"}) as resp:
+        assert resp.status == 200
+        document: dict[str, Any] = await resp.json()
+    return document
+
+
+async def settled(fleet: Fleet, sent: int) -> tuple[float, float, float]:
+    """Until a scrape counts every request sent (each worker copies its counts out every second)."""
+    deadline = time.monotonic() + 5
+    while (reading := await scrape(fleet))[0] != sent:
+        assert reading[0] < sent, f"more requests counted than sent: {reading}"
+        assert time.monotonic() < deadline, f"{reading[0]} requests counted, {sent} sent"
+        await asyncio.sleep(0.1)
+    return reading
+
+
+async def send_until_both_served(fleet: Fleet, prefix: str, at_least: int) -> tuple[int, set[int]]:
+    """Requests until both workers served one and ``at_least`` were sent, scraping after each: the count
+    never goes back."""
+    served: set[int] = set()
+    sent = 0
+    last = 0.0
+    while sent < at_least or len(served) < 2:
+        assert sent < 60, "the kernel sent every connection to one worker"
+        served.add(await send(fleet, f"{prefix}-{sent}"))
+        sent += 1
+        counted = (await scrape(fleet))[0]
+        assert counted >= last, f"requests_total went back from {last} to {counted}"
+        last = counted
+    return sent, served
+
+
+def host_folder(pid: int) -> Path:
+    """The metrics folder the parent gave a worker (``PROMETHEUS_MULTIPROC_DIR`` in its environment)."""
+    environ = dict(entry.split("=", 1) for entry in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in entry)
+    return Path(environ["PROMETHEUS_MULTIPROC_DIR"])
+
+
+async def test_metrics_and_usage_answer_for_the_whole_host_on_every_connection(
+        start_upstream, redis_prefix: str, fleets: list[Fleet], tmp_path: Path) -> None:
+    upstream = await start_upstream(chunks=3, delay_ms=20)  # a stream: its connection is open until the end
+    config = tmp_path / "slotproxy.yaml"
+    write_config(config, upstream.url, redis_prefix, limit=4)
+    fleet = Fleet(config)
+    fleets.append(fleet)
+    await fleet.up()
+    sent, _ = await send_until_both_served(fleet, "c", at_least=8)
+
+    requests, waits, tokens = await settled(fleet, sent)
+    assert waits == sent and tokens > 0
+    for _ in range(12):
+        assert await scrape(fleet) == (requests, waits, tokens), "every worker answers for the whole host"
+
+    deadline = time.monotonic() + 5
+    while len((await usage(fleet))["rows"]) != sent:  # each worker writes its rows every second
+        assert time.monotonic() < deadline, await usage(fleet)
+        await asyncio.sleep(0.1)
+    for _ in range(8):
+        rows = (await usage(fleet))["rows"]
+        assert sorted(row["conversation"] for row in rows) == sorted(f"c-{n}" for n in range(sent))
+        assert sum(row["input_tokens"] for row in rows) == tokens
+
+    folder = host_folder(fleet.workers()[0])
+    assert folder.is_dir() and folder.stat().st_mode & 0o077 == 0, "a private folder of the parent's"
+    assert await fleet.stop() == 0
+    assert not folder.exists(), "the parent removes the metrics folder when the fleet stops"
+    assert "Traceback" not in fleet.stderr()
+
+
+async def test_a_killed_worker_takes_no_count_back_and_its_replacement_adds_to_them(
+        start_upstream, redis_prefix: str, fleets: list[Fleet], tmp_path: Path) -> None:
+    upstream = await start_upstream(chunks=3, delay_ms=20)  # a stream: its connection is open until the end
+    config = tmp_path / "slotproxy.yaml"
+    write_config(config, upstream.url, redis_prefix, limit=4)
+    fleet = Fleet(config)
+    fleets.append(fleet)
+    await fleet.up()
+    sent, served = await send_until_both_served(fleet, "before", at_least=6)
+    before = await settled(fleet, sent)
+
+    victim = served.pop()
+    os.kill(victim, signal.SIGKILL)
+    await fleet.wait_for(f"(pid {victim}) exited with signal 9; starting a new one", timeout=3)
+    while " is serving" not in fleet.stderr():
+        assert (await scrape(fleet))[0] == sent, "the dead worker's counts stay in the host's"
+        await asyncio.sleep(0.05)
+    replacement = next(pid for pid in fleet.workers() if pid not in served)
+
+    more, by = 0, set()
+    while replacement not in by:
+        assert more < 60, "the kernel sent no connection to the new worker"
+        by.add(await send(fleet, f"after-{more}"))
+        more += 1
+    after = await settled(fleet, sent + more)
+    assert after[1] == before[1] + more and after[2] > before[2]
+    names = sorted(path.name for path in host_folder(replacement).iterdir())
+    assert all(re.fullmatch(r"[a-z_]+_[12]\.db", name) for name in names), f"files by worker index: {names}"
+    assert await fleet.stop() == 0
