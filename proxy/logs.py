@@ -167,6 +167,9 @@ class BackoffLog:
         self._interval = interval
         self._storms: dict[str, _Storm] = {}
         self._relayed: dict[str, int] = {}
+        self._early: dict[str, tuple[int, float]] = {}
+        """Relays that came before their storm began: the Redis backend logs a backoff when Redis has
+        answered, which may be after the relay. A storm that begins within ``interval`` takes them."""
 
     def relayed(self, provider: str) -> None:
         """A 429 from ``provider`` was relayed to the client: its retries ran out, or it had none."""
@@ -174,6 +177,10 @@ class BackoffLog:
         storm = self._storms.get(provider)
         if storm is not None:
             storm.relayed += 1
+            return
+        now = self._clock.time()
+        count, at = self._early.get(provider, (0, now))
+        self._early[provider] = (count + 1 if now - at <= self._interval else 1, now)
 
     def relayed_total(self, provider: str) -> int:
         """The 429s from ``provider`` relayed to clients since this process started."""
@@ -188,6 +195,9 @@ class BackoffLog:
         first = storm is None
         if storm is None:
             storm = self._storms[provider] = _Storm(now, now, ReportPacer(self._interval))
+            early, at = self._early.pop(provider, (0, now))
+            if now - at <= self._interval:
+                storm.relayed = early
         storm.last_event = now
         storm.causes[cause] = storm.causes.get(cause, 0) + 1
         mark = storm.levels.get(key)

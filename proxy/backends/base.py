@@ -8,7 +8,6 @@ from typing import Protocol
 from ..errors import ProxyError
 from ..ledger.report import UsageQuery
 from ..ledger.store import LedgerRow
-from ..logs import BackoffLog
 from ..limiter import (
     Budget,
     Clock,
@@ -18,6 +17,7 @@ from ..limiter import (
     ProviderStatus,
     SlotLease,
 )
+from ..logs import BackoffLog
 
 __all__ = ["Backend"]
 
