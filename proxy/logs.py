@@ -135,6 +135,8 @@ class _Storm:
     causes: dict[str, int] = field(default_factory=dict)
     levels: dict[str | None, _LevelMark] = field(default_factory=dict)
     timer: Any = None
+    relayed: int = 0
+    """Backoff answers the proxy relayed to clients (no retry left) while the storm lasted."""
 
     @property
     def total(self) -> int:
@@ -154,7 +156,9 @@ class BackoffLog:
     moved and until when it is paused; once it has calmed down (no backoff for one
     ``interval`` after the last one and after its pauses ended) one last line sums it
     up. The metrics count every event; this is only what the log says. Both backends
-    feed it from their ``report_backoff``, so memory and Redis log alike.
+    feed it from their ``report_backoff``, so memory and Redis log alike. The relay tells it
+    (``relayed``) of each 429 that reached a client: the lines say how many of the storm's
+    did, and ``relayed_total`` is what status shows beside ``rejected``.
     """
 
     def __init__(self, clock: _TimerClock, logger: logging.Logger | None = None, *, interval: float = 1.0) -> None:
@@ -162,6 +166,25 @@ class BackoffLog:
         self._logger = logger or logging.getLogger("slotproxy.backoff")
         self._interval = interval
         self._storms: dict[str, _Storm] = {}
+        self._relayed: dict[str, int] = {}
+        self._early: dict[str, tuple[int, float]] = {}
+        """Relays that came before their storm began: the Redis backend logs a backoff when Redis has
+        answered, which may be after the relay. A storm that begins within ``interval`` takes them."""
+
+    def relayed(self, provider: str) -> None:
+        """A 429 from ``provider`` was relayed to the client: its retries ran out, or it had none."""
+        self._relayed[provider] = self._relayed.get(provider, 0) + 1
+        storm = self._storms.get(provider)
+        if storm is not None:
+            storm.relayed += 1
+            return
+        now = self._clock.time()
+        count, at = self._early.get(provider, (0, now))
+        self._early[provider] = (count + 1 if now - at <= self._interval else 1, now)
+
+    def relayed_total(self, provider: str) -> int:
+        """The 429s from ``provider`` relayed to clients since this process started."""
+        return self._relayed.get(provider, 0)
 
     def event(self, provider: str, cause: str, *, key: str | None = None, limit_before: int | None = None,
               limit_after: int | None = None, paused_until: float | None = None) -> None:
@@ -172,6 +195,9 @@ class BackoffLog:
         first = storm is None
         if storm is None:
             storm = self._storms[provider] = _Storm(now, now, ReportPacer(self._interval))
+            early, at = self._early.pop(provider, (0, now))
+            if now - at <= self._interval:
+                storm.relayed = early
         storm.last_event = now
         storm.causes[cause] = storm.causes.get(cause, 0) + 1
         mark = storm.levels.get(key)
@@ -223,11 +249,12 @@ class BackoffLog:
         if first:
             head = f"upstream {next(iter(storm.causes))}"
         else:
-            head = f"{_counts(storm.causes)} in the last {_seconds(now - storm.started)} s"
+            head = f"{_counts(storm.causes)} in the last {_seconds(now - storm.started)} s{_relayed(storm)}"
         return "; ".join([f"{provider}: {head}", *_level_parts(storm.levels, now)])
 
     def _calm_line(self, provider: str, storm: _Storm) -> str:
-        head = f"calm again after {_counts(storm.causes)} in {_seconds(storm.last_event - storm.started)} s"
+        head = f"calm again after {_counts(storm.causes)} in {_seconds(storm.last_event - storm.started)} s" \
+            f"{_relayed(storm)}"
         return "; ".join([f"{provider}: {head}", *_level_parts(storm.levels, None)])
 
 
@@ -235,6 +262,11 @@ def _counts(causes: dict[str, int]) -> str:
     """``15 upstream 429s``, ``12 upstream 429s and 3 upstream overloaded_errors``."""
     parts = [f"{count} upstream {_plural(cause, count)}" for cause, count in causes.items()]
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _relayed(storm: _Storm) -> str:
+    """``, 6 relayed to clients``; nothing when every one was retried away."""
+    return f", {storm.relayed} relayed to clients" if storm.relayed else ""
 
 
 def _plural(cause: str, count: int) -> str:

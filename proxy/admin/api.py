@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
-from ..errors import AdminError, BodyTooLarge, UnknownProvider
+from ..errors import AdminError, BodyTooLarge, UnknownLimit, UnknownProvider
 from ..http.answers import json_answer
 from ..http.body import read_body
 from ..http.headers import valid_label
 from ..http.keys import STATE
-from ..http.state import TooManyStars
+from ..http.state import LimitLevelId, TooManyStars
 from ..limiter import validate_limit
 from .status import provider_document
 from .throttle import AuthFailures
@@ -162,36 +162,85 @@ async def _provider_write(
     return await _provider_answer(request, provider)
 
 
-async def put_limit(request: web.Request) -> web.Response:
-    backend = request.app[STATE].backend
+def _level(request: web.Request, provider: str, kind: str) -> LimitLevelId:
+    if kind == "key":
+        return provider, "key", request.match_info["key"]
+    if kind == "model":
+        return provider, "model", request.match_info["pattern"]
+    return provider, "provider", ""
 
-    def apply(provider: str, limit: int | None) -> str:
+
+def _level_words(level: LimitLevelId) -> str:
+    _, kind, name = level
+    return "limit" if kind == "provider" else f"{kind}={name} limit"
+
+
+def _set_level_limit(backend: Backend, level: LimitLevelId, limit: int | None) -> None:
+    """Raises UnknownLimit for a key or model cap the provider does not have."""
+    provider, kind, name = level
+    if kind == "key":
+        backend.set_key_limit(provider, name, limit)
+    elif kind == "model":
+        backend.set_model_limit(provider, name, limit)
+    else:
         backend.set_limit(provider, limit)
-        return f"limit set to {'unlimited' if limit is None else limit}"
-
-    return await _provider_write(request, _limit_from, apply)
 
 
-def _level_limit(what: str, name_key: str, set_level_limit: Callable[[Backend, str, str, int | None], None]) \
-        -> Callable[[web.Request], Awaitable[web.Response]]:
-    """A PUT for a pool key's or a model cap's limit: the provider limit's body and rules, 404 for a name
-    the provider does not have (the backend raises UnknownLimit)."""
+def _configured_limit(backend: Backend, level: LimitLevelId) -> int | None:
+    provider, kind, name = level
+    status = backend.provider_status(provider)
+    if kind == "provider":
+        return status.configured_limit
+    levels = {key.name: key.configured_limit for key in status.keys} if kind == "key" else \
+        {model.pattern: model.configured_limit for model in status.models}
+    if name not in levels:
+        what = "key" if kind == "key" else "model cap"
+        raise UnknownLimit(f"provider '{provider}' has no {what} '{name}' (configured: {', '.join(levels) or 'none'})")
+    return levels[name]
+
+
+def _put_limit(kind: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A PUT of a provider's, a pool key's or a model cap's limit: a manual limit, marked with when it was set
+    (status shows it until it is restored); 404 for a key or model cap the provider does not have."""
 
     async def put(request: web.Request) -> web.Response:
-        backend = request.app[STATE].backend
-        name = request.match_info[name_key]
+        state = request.app[STATE]
 
         def apply(provider: str, limit: int | None) -> str:
-            set_level_limit(backend, provider, name, limit)
-            return f"{what}={name} limit set to {'unlimited' if limit is None else limit}"
+            level = _level(request, provider, kind)
+            configured = _configured_limit(state.backend, level)
+            _set_level_limit(state.backend, level, limit)
+            state.manual_limits.set(level, limit, configured, int(time.time() * 1000))
+            return f"{_level_words(level)} set to {'unlimited' if limit is None else limit}"
 
         return await _provider_write(request, _limit_from, apply)
 
     return put
 
 
-put_key_limit = _level_limit("key", "key", lambda backend, *args: backend.set_key_limit(*args))
-put_model_limit = _level_limit("model", "pattern", lambda backend, *args: backend.set_model_limit(*args))
+def _restore_limit(kind: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A DELETE of a limit: back to the configured value, with no manual or auto-reduced mark left."""
+
+    async def delete(request: web.Request) -> web.Response:
+        authorize(request)
+        state = request.app[STATE]
+        level = _level(request, _provider(request), kind)
+        configured = _configured_limit(state.backend, level)
+        _set_level_limit(state.backend, level, configured)
+        state.manual_limits.clear(level)
+        log.info("provider=%s %s restored to the configured %s via the admin API", level[0], _level_words(level),
+                 "unlimited" if configured is None else configured)
+        return await _provider_answer(request, level[0])
+
+    return delete
+
+
+put_limit = _put_limit("provider")
+put_key_limit = _put_limit("key")
+put_model_limit = _put_limit("model")
+restore_limit = _restore_limit("provider")
+restore_key_limit = _restore_limit("key")
+restore_model_limit = _restore_limit("model")
 
 
 async def put_cooldown(request: web.Request) -> web.Response:
@@ -224,8 +273,11 @@ async def star(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app[AUTH_FAILURES] = AuthFailures(time.monotonic)
     app.router.add_put("/_slotproxy/providers/{id}/limit", put_limit)
+    app.router.add_delete("/_slotproxy/providers/{id}/limit", restore_limit)
     app.router.add_put("/_slotproxy/providers/{id}/keys/{key}/limit", put_key_limit)
+    app.router.add_delete("/_slotproxy/providers/{id}/keys/{key}/limit", restore_key_limit)
     app.router.add_put("/_slotproxy/providers/{id}/models/{pattern:.+}/limit", put_model_limit)
+    app.router.add_delete("/_slotproxy/providers/{id}/models/{pattern:.+}/limit", restore_model_limit)
     app.router.add_put("/_slotproxy/providers/{id}/cooldown", put_cooldown)
     app.router.add_put("/_slotproxy/workspaces/{id}/star", star)
     app.router.add_delete("/_slotproxy/workspaces/{id}/star", star)

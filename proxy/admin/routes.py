@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 
+from ..errors import AdminError
 from ..http.answers import Answer, json_answer
-from ..http.keys import STATE
+from ..http.keys import STATE, error_response
 from ..http.metrics import CONTENT_TYPE
 from . import api
 from .history import History
@@ -86,7 +88,29 @@ async def _to_dashboard(request: web.Request) -> web.Response:
     return Answer(status=301, headers={"Location": "/_slotproxy/"}, text="301: Moved Permanently")
 
 
+def _not_allowed(allowed: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+    async def answer(request: web.Request) -> web.Response:
+        response = error_response(AdminError(
+            f"{request.method} is not allowed on {request.path}; use {allowed}",
+            status=405))
+        response.headers["Allow"] = allowed
+        return response
+
+    return answer
+
+
+def _refuse_other_methods(app: web.Application, first: int) -> None:
+    """A wrong method on one of the proxy's own paths is 405 with ``Allow``: without a route for every
+    other method, the router would hand it to the provider catch-all, which answers 404."""
+    for resource in list(app.router.resources())[first:]:
+        if not isinstance(resource, web.Resource):
+            continue
+        methods = sorted({route.method for route in resource if route.method != "*"})
+        resource.add_route("*", _not_allowed(", ".join(methods)))
+
+
 def add_routes(app: web.Application) -> None:
+    first = len(app.router.resources())
     app.router.add_get("/_slotproxy/status", status)
     app.router.add_get("/_slotproxy/history", history)
     app.router.add_get("/_slotproxy/usage", usage)
@@ -96,3 +120,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     api.add_routes(app)
+    _refuse_other_methods(app, first)

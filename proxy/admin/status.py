@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..http.runtime import ProxyState
+from ..http.state import LimitLevelId, ManualLimits
 from ..limiter import ProviderStatus
 
 __all__ = ["provider_document", "status_document"]
@@ -25,5 +26,26 @@ def status_document(state: ProxyState) -> dict[str, Any]:
 
 
 def provider_document(state: ProxyState, status: ProviderStatus) -> dict[str, Any]:
-    """One provider's object in the status document (also what an admin write answers with)."""
-    return {**status.to_dict(), "websockets": state.open_sockets.count(status.provider)}
+    """One provider's object in the status document (also what an admin write answers with).
+
+    ``relayed_429`` and ``websockets`` are this replica's: the 429s it relayed to clients (the retries ran
+    out, or there were none), the sockets open through it."""
+    name = status.provider
+    document = {**status.to_dict(), "websockets": state.open_sockets.count(name),
+                "relayed_429": state.backend.backoffs.relayed_total(name)}
+    manual = state.manual_limits
+    _mark_manual(document, manual, (name, "provider", ""))
+    for key in document["keys"]:
+        _mark_manual(key, manual, (name, "key", key["name"]))
+    for model in document["models"]:
+        _mark_manual(model, manual, (name, "model", model["pattern"]))
+    return document
+
+
+def _mark_manual(entry: dict[str, Any], manual: ManualLimits, level: LimitLevelId) -> None:
+    """``manual``: the limit was set by hand (admin API or dashboard) and differs from the configured one;
+    ``manual_set_at``: when (epoch ms), else null."""
+    mark = manual.get(level)
+    holds = mark is not None and mark.holds(entry["limit"], entry["configured_limit"], entry.get("auto_reduced_from"))
+    entry["manual"] = holds
+    entry["manual_set_at"] = mark.set_at if holds and mark is not None else None

@@ -17,6 +17,7 @@ from ..limiter import (
     ProviderStatus,
     SlotLease,
 )
+from ..logs import BackoffLog
 
 __all__ = ["Backend"]
 
@@ -24,6 +25,10 @@ __all__ = ["Backend"]
 class Backend(Protocol):
     clock: Clock
     on_change: Callable[[], None] | None
+
+    @property
+    def backoffs(self) -> BackoffLog:
+        """The upstream backoffs summarised per provider for the log, and the 429s relayed to clients."""
 
     def configure(self, providers: Mapping[str, LimiterSettings], starred: frozenset[str]) -> None:
         """Apply a (re)loaded config: add, update and retire providers; nothing in flight is dropped."""

@@ -332,6 +332,8 @@ class Exchange:
             if retry_allowed:
                 log.debug("provider=%s retrying after a %s (the client has seen nothing yet)", self.provider, backoff.cause)
                 raise _Retry
+        if upstream.status == 429:
+            self.state.backend.backoffs.relayed(self.provider)
         if not complete:
             return await self._stream(upstream, lease, watch, prefix=body)
         return await self._send_whole(upstream, body)

@@ -37,7 +37,7 @@ from .guard import BrowserGuard
 from .headers import InvalidHeaderLog, PriorityHeaders
 from .idle import IdleWatch
 from .metrics import Metrics
-from .state import StarOverrides, StateStore, StateWriter
+from .state import ManualLimits, StarOverrides, StateStore, StateWriter
 from .upstreams import Upstreams
 
 if TYPE_CHECKING:
@@ -129,6 +129,8 @@ class ProxyState:
         self.idle_watch = IdleWatch()
         """The idle_timeout deadlines of the upstream exchanges in flight."""
         self.stars = StarOverrides()
+        self.manual_limits = ManualLimits()
+        """The limits set by hand through the admin API, and when."""
         state_path = None if worker is not None else beside_config(config.state.path, config_path)
         self.state_file = StateWriter(StateStore(state_path), self._runtime_state)
         ledger_path = beside_config(config.ledger.path, config_path)
@@ -144,6 +146,7 @@ class ProxyState:
         restored = self.state_file.store.load()
         if restored is not None:
             self.stars.load(restored.get("star_overrides"), config.workspaces.starred)
+            self.manual_limits.load(restored.get("manual_limits"))
         self.apply(config)
         if restored is not None:
             for name, entry in (restored.get("providers") or {}).items():
@@ -202,7 +205,8 @@ class ProxyState:
         return stars
 
     def _runtime_state(self) -> dict[str, object]:
-        return {"providers": self.backend.export_state(), "star_overrides": self.stars.as_dict()}
+        return {"providers": self.backend.export_state(), "star_overrides": self.stars.as_dict(),
+                "manual_limits": self.manual_limits.as_dict()}
 
     def request_started(self) -> None:
         self.active_requests += 1

@@ -14,10 +14,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["MAX_RUNTIME_STARS", "STATE_VERSION", "StarOverrides", "StateStore", "StateWriter", "TooManyStars"]
+__all__ = ["MAX_RUNTIME_STARS", "STATE_VERSION", "LimitLevelId", "ManualLimit", "ManualLimits", "StarOverrides", "StateStore",
+           "StateWriter", "TooManyStars"]
 
 log = logging.getLogger("slotproxy.state")
 
@@ -131,6 +133,84 @@ class StarOverrides:
 
     def as_dict(self) -> dict[str, bool]:
         return dict(self._overrides)
+
+
+LimitLevelId = tuple[str, Literal["provider", "key", "model"], str]
+"""A limit the admin API can set: (provider, kind, name); the provider's own has the name ``""``."""
+
+_KINDS: dict[str, Literal["key", "model"]] = {"keys": "key", "models": "model"}
+
+
+@dataclass(frozen=True, slots=True)
+class ManualLimit:
+    """A limit set by hand: the value, when (epoch ms), and the configured value it was set over."""
+
+    limit: int | None
+    set_at: int
+    configured: int | None
+
+    def holds(self, limit: int | None, configured: int | None, auto_reduced_from: int | None) -> bool:
+        """Still in force: set over today's configured value (a YAML edit since wins) and still the limit,
+        or the limit an auto-reduction came down from."""
+        return configured == self.configured and self.limit in (limit, auto_reduced_from)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"limit": self.limit, "set_at": self.set_at, "configured": self.configured}
+
+
+class ManualLimits:
+    """The limits set through the admin API that differ from the configured ones, kept in the state file
+    so that after a restart status still says which limits were set by hand, and when."""
+
+    def __init__(self) -> None:
+        self._marks: dict[LimitLevelId, ManualLimit] = {}
+
+    def set(self, level: LimitLevelId, limit: int | None, configured: int | None, now_ms: int) -> None:
+        """A limit set by hand; one equal to the configured value is a restore, and forgets the mark."""
+        if limit == configured:
+            self._marks.pop(level, None)
+        else:
+            self._marks[level] = ManualLimit(limit, now_ms, configured)
+
+    def clear(self, level: LimitLevelId) -> None:
+        self._marks.pop(level, None)
+
+    def get(self, level: LimitLevelId) -> ManualLimit | None:
+        return self._marks.get(level)
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        """``{provider: {"limit": mark, "keys": {name: mark}, "models": {pattern: mark}}}``."""
+        document: dict[str, dict[str, Any]] = {}
+        for (provider, kind, name), mark in self._marks.items():
+            entry = document.setdefault(provider, {})
+            if kind == "provider":
+                entry["limit"] = mark.to_dict()
+            else:
+                entry.setdefault(f"{kind}s", {})[name] = mark.to_dict()
+        return document
+
+    def load(self, raw: object) -> None:
+        """Marks from a state file; an entry of the wrong shape is skipped."""
+        self._marks = {}
+        if not isinstance(raw, dict):
+            return
+        for provider, entry in raw.items():
+            if not isinstance(entry, dict):
+                continue
+            self._load_one((str(provider), "provider", ""), entry.get("limit"))
+            for field_name, kind in _KINDS.items():
+                named = entry.get(field_name)
+                if isinstance(named, dict):
+                    for name, mark in named.items():
+                        self._load_one((str(provider), kind, str(name)), mark)
+
+    def _load_one(self, level: LimitLevelId, raw: object) -> None:
+        if not isinstance(raw, dict):
+            return
+        limit, set_at, configured = raw.get("limit"), raw.get("set_at"), raw.get("configured")
+        if all(value is None or (isinstance(value, int) and not isinstance(value, bool))
+               for value in (limit, configured)) and isinstance(set_at, int):
+            self._marks[level] = ManualLimit(limit, set_at, configured)
 
 
 class StateWriter:

@@ -122,3 +122,82 @@ async def test_starring_a_workspace_moves_its_waiting_request_to_the_front(start
     assert [a["tag"] for a in upstream.fake.stats()["arrivals"]] == ["holder", "new-c", "old-a", "old-b"]
     async with client.delete(f"{proxy.url}/_slotproxy/workspaces/new-c/star") as resp:
         assert (await resp.json())["starred"] is False
+
+
+POOL_YAML = """\
+state: {{path: null}}
+providers:
+  openai:
+    upstream: {url}/v1
+    limit: 4
+    keys:
+      - {{name: team-a, api_key_env: DASH_KEY_A, limit: 2}}
+    models:
+      "gpt-4*": {{limit: 2}}
+"""
+
+
+async def test_a_manual_limit_is_marked_with_when_and_delete_restores_the_configured_one(proxy, client) -> None:
+    url = f"{proxy.url}/_slotproxy/providers/openai/limit"
+    before = int(time.time() * 1000)
+    async with client.put(url, json={"limit": 6}) as resp:
+        body = await resp.json()
+    assert (body["limit"], body["configured_limit"], body["manual"]) == (6, 3, True)
+    assert before <= body["manual_set_at"] <= int(time.time() * 1000)
+    assert proxy.status()["manual_set_at"] == body["manual_set_at"]
+
+    async with client.delete(url) as resp:
+        assert resp.status == 200
+        body = await resp.json()
+    assert (body["limit"], body["configured_limit"], body["manual"], body["manual_set_at"]) == (3, 3, False, None)
+
+
+async def test_a_null_limit_still_means_unlimited_and_is_restored_by_delete(proxy, client) -> None:
+    url = f"{proxy.url}/_slotproxy/providers/openai/limit"
+    async with client.put(url, json={"limit": None}) as resp:
+        body = await resp.json()
+    assert (body["limit"], body["manual"]) == (None, True)
+    async with client.delete(url) as resp:
+        body = await resp.json()
+    assert (body["limit"], body["manual"]) == (3, False)
+
+
+async def test_delete_restores_an_auto_reduced_limit_and_a_put_of_the_configured_value_is_no_manual_one(
+        proxy, client) -> None:
+    proxy.state.backend.report_backoff("openai", "429", 0.01, sent_at=time.time())
+    url = f"{proxy.url}/_slotproxy/providers/openai/limit"
+    async with client.delete(url) as resp:
+        body = await resp.json()
+    assert (body["limit"], body["auto_reduced"], body["notice"], body["manual"]) == (3, False, None, False)
+    async with client.put(url, json={"limit": 3}) as resp:
+        assert (await resp.json())["manual"] is False
+
+
+async def test_key_and_model_limits_are_marked_manual_and_restored_by_delete(start_upstream, start_proxy, client,
+                                                                              monkeypatch) -> None:
+    monkeypatch.setenv("DASH_KEY_A", "sk-a")
+    upstream = await start_upstream()
+    proxy = await start_proxy(POOL_YAML.format(url=upstream.url))
+    base = f"{proxy.url}/_slotproxy/providers/openai"
+    for path, field, name in (("keys/team-a/limit", "keys", "team-a"), ("models/gpt-4*/limit", "models", "gpt-4*")):
+        async with client.put(f"{base}/{path}", json={"limit": 1}) as resp:
+            assert resp.status == 200
+            entry = (await resp.json())[field][0]
+        assert (entry["limit"], entry["configured_limit"], entry["manual"]) == (1, 2, True), name
+        assert isinstance(entry["manual_set_at"], int)
+        async with client.delete(f"{base}/{path}") as resp:
+            entry = (await resp.json())[field][0]
+        assert (entry["limit"], entry["manual"], entry["manual_set_at"]) == (2, False, None), name
+    async with client.delete(f"{base}/keys/nope/limit") as resp:
+        assert resp.status == 404
+        assert (await resp.json())["error"]["code"] == "unknown_limit"
+
+
+async def test_delete_of_a_limit_needs_the_token(proxy, client, monkeypatch) -> None:
+    monkeypatch.setenv("SLOTPROXY_ADMIN_TOKEN", TOKEN)
+    async with client.put(f"{proxy.url}/_slotproxy/providers/openai/limit", json={"limit": 5},
+                          headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+        assert resp.status == 200
+    async with client.delete(f"{proxy.url}/_slotproxy/providers/openai/limit") as resp:
+        assert resp.status == 401
+    assert proxy.status()["limit"] == 5

@@ -197,6 +197,71 @@ async def test_restore_asks_for_the_admin_token_and_retries_with_it(
     await shot("3-restored")
 
 
+CLOCK_24H = r"\d\d:\d\d:\d\d"  # `slotproxy status`'s clock: 24-hour, no AM or PM
+
+
+async def test_a_limit_set_by_hand_says_so_and_restore_goes_back_to_the_configured_one(
+    start_upstream, start_proxy, client, page, shot, monkeypatch
+) -> None:
+    monkeypatch.setenv("SP_DASH_KEY_A", "key-a")
+    upstream = await start_upstream()
+    proxy = await start_proxy(POOL_YAML.format(upstream=upstream.url))
+    admin = f"{proxy.url}/_slotproxy/providers/openai"
+    async with client.put(f"{admin}/limit", json={"limit": 6}) as resp:
+        assert resp.status == 200
+    async with client.put(f"{admin}/models/{quote('gpt-big-*', safe='')}/limit", json={"limit": 1}) as resp:
+        assert resp.status == 200
+    methods: list[str] = []
+    page.on("request", lambda r: methods.append(r.method) if "/limit" in r.url else None)
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    await expect(card.locator('[data-field="limit"]')).to_have_text("6")
+    await expect(card.locator('[data-field="manual-badge"]')).to_be_visible()
+    await expect(card.locator('[data-field="notice"]')).to_have_text(
+        re.compile(rf"^Limit 6 set by hand at {CLOCK_24H}; configured unlimited\.$"))
+    model = card.locator('[data-model="gpt-big-*"]')
+    await expect(model.locator('[data-field="model-manual"]')).to_be_visible()
+    await expect(model.locator('[data-field="model-manual"]')).to_have_attribute(
+        "title", re.compile(rf"^Limit 1 set by hand at {CLOCK_24H}; configured 2\.$"))
+    await shot("1-set-by-hand")
+
+    button = card.locator('[data-action="restore"]')
+    await expect(button).to_have_text("Restore to unlimited")
+    await button.click()
+    await expect(card.locator('[data-field="limit"]')).to_have_text("unlimited")
+    await expect(button).to_be_hidden()
+    await expect(card.locator('[data-field="manual-badge"]')).to_be_hidden()
+    await model.locator('[data-action="restore-model"]').click()
+    await expect(model.locator('[data-field="model-limit"]')).to_have_text("2")
+    await expect(model.locator('[data-field="model-manual"]')).to_be_hidden()
+    status = proxy.status()
+    assert (status["limit"], status["manual"], status["models"][0]["limit"], status["models"][0]["manual"]) == \
+        (None, False, 2, False)
+    assert methods == ["DELETE", "DELETE"]
+    await shot("2-restored")
+
+
+async def test_times_are_24_hour_the_pause_counts_down_and_relayed_429s_are_counted(
+    start_upstream, start_proxy, client, page, shot
+) -> None:
+    upstream = await start_upstream(retry_after=30)
+    proxy = await start_proxy(provider_yaml(upstream, limit=3, retry_on_429=0))
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    relayed = card.locator('[data-field="relayed-429"]')
+    await expect(relayed).to_have_text("0 upstream 429s relayed to clients")
+    await auto_reduce(proxy, client)
+    pause = card.locator('[data-field="pause"]')
+    await expect(pause).to_have_text(re.compile(rf"^Paused after a rate limit until {CLOCK_24H} — resumes in 2\d s$"))
+    first = await pause.text_content()
+    await expect(pause).not_to_have_text(first or "", timeout=2500)  # a second later, a second fewer
+    assert first is not None and first.rsplit(" until ", 1)[1][:8] == time.strftime(
+        "%H:%M:%S", time.localtime(proxy.status()["paused_until"] / 1000))
+    await expect(relayed).to_have_text("1 upstream 429 relayed to clients")
+    await expect(page.locator("#config-loaded")).to_have_text(re.compile(rf"^{CLOCK_24H}$"))
+    await shot("1-paused")
+
+
 async def test_queue_table_lists_waiters_in_admission_order(start_upstream, start_proxy, client, page, shot) -> None:
     upstream = await start_upstream(chunks=1, delay_ms=1)
     proxy = await start_proxy(provider_yaml(upstream, limit=1))
@@ -427,7 +492,8 @@ async def test_a_model_cap_restores_and_a_budget_hold_is_shown_as_a_hold(
     await page.locator("#token-form button[type=submit]").click()
     await expect(model.locator('[data-field="model-limit"]')).to_have_text("2")
     await expect(button).to_be_hidden()
-    assert proxy.status()["models"] == [{"pattern": "gpt-big-*", "limit": 2, "configured_limit": 2, "in_flight": 0}]
+    assert proxy.status()["models"] == [{"pattern": "gpt-big-*", "limit": 2, "configured_limit": 2, "in_flight": 0,
+                                         "manual": False, "manual_set_at": None}]
     await shot("3-model-restored")
 
 
@@ -877,7 +943,7 @@ USAGE_ROWS = """panel => [...panel.querySelectorAll('[data-field="usage-workspac
 })"""
 CONVERSATION_ROWS = """panel => [...panel.querySelectorAll('tbody[data-field="usage-conversations"] tr')].map(tr => [
     tr.dataset.conversation, ...[...tr.cells].map(td => td.textContent),
-    Number(tr.dataset.input), Number(tr.dataset.output), Number(tr.dataset.requests)])"""
+    Number(tr.dataset.input), Number(tr.dataset.output), Number(tr.dataset.requests), Number(tr.dataset.errors)])"""
 
 
 async def respond(client: aiohttp.ClientSession, proxy: Any, workspace: str, conversation: str | None,
@@ -912,6 +978,10 @@ async def test_usage_panel_draws_tokens_by_workspace_and_the_top_conversations(
 
     for _ in range(2):
         await respond(client, proxy, "alpha", "conv-a1", {"input": 40_000, "cached": 10_000, "output": 2_000})
+    async with client.post(f"{proxy.url}/openai/responses", json={"model": "m", "input": "hi"}, headers={
+            "X-Workspace-Id": "alpha", "X-Conversation-Id": "conv-a1", "x-fake-status": "500"}) as resp:
+        assert resp.status == 500
+        await resp.read()
     await respond(client, proxy, "alpha", "conv-a2", {"input": 6_000, "output": 1_000})
     await respond(client, proxy, "beta", "conv-b1", {"input": 9_000, "output": 9_000})
     await respond(client, proxy, "beta", None, {"input": 1_000, "output": 500})
@@ -932,10 +1002,10 @@ async def test_usage_panel_draws_tokens_by_workspace_and_the_top_conversations(
     rows = {row["workspace"]: row for row in await panel.evaluate(USAGE_ROWS)}
     assert list(rows) == ["alpha", "beta", "gamma"]  # the API's order: input + output, largest first
     # input, cached, output, requests, unknown usage
-    assert rows["alpha"]["data"] == [86_000, 20_000, 5_000, 3, 0]
+    assert rows["alpha"]["data"] == [86_000, 20_000, 5_000, 4, 0]
     assert rows["beta"]["data"] == [10_000, 0, 9_500, 3, 1]
     assert rows["gamma"]["data"] == [1_155, 0, 11, 11, 0]
-    assert rows["alpha"]["numbers"] == ["86 k in (20 k cached)", "5 k out", "3 requests"]
+    assert rows["alpha"]["numbers"] == ["86 k in (20 k cached)", "5 k out", "4 requests", "1 error"]
     assert rows["beta"]["numbers"] == ["10 k in", "9.5 k out", "3 requests", "unknown usage: 1 request"]
     assert rows["gamma"]["numbers"] == ["1.2 k in", "11 out", "11 requests"]
 
@@ -965,9 +1035,12 @@ async def test_usage_panel_draws_tokens_by_workspace_and_the_top_conversations(
     conversations = await panel.evaluate(CONVERSATION_ROWS)
     assert [row[0] for row in conversations] == ["conv-a1", "conv-b1", "conv-a2",
                                                  *[f"conv-g{i:02}" for i in range(10, 3, -1)]]
-    assert conversations[0] == ["conv-a1", "conv-a1", "80 k", "4 k", "2", 80_000, 4_000, 2]
-    assert conversations[1] == ["conv-b1", "conv-b1", "9 k", "9 k", "1", 9_000, 9_000, 1]
-    assert conversations[3] == ["conv-g10", "conv-g10", "110", "1", "1", 110, 1, 1]
+    # Each with its workspace and its errors (conv-a1's third request was answered 500).
+    assert conversations[0] == ["conv-a1", "conv-a1", "alpha", "80 k", "4 k", "3", "1", 80_000, 4_000, 3, 1]
+    assert conversations[1] == ["conv-b1", "conv-b1", "beta", "9 k", "9 k", "1", "0", 9_000, 9_000, 1, 0]
+    assert conversations[3] == ["conv-g10", "conv-g10", "gamma", "110", "1", "1", "0", 110, 1, 1, 0]
+    assert await panel.locator("#usage-conv-table th").all_text_contents() == [
+        "Conversation", "Workspace", "Tokens in", "Tokens out", "Requests", "Errors"]
     await expect(panel.locator('[data-field="usage-conversations-scope"]')).to_have_text("this replica")
     await expect(panel.locator('[data-field="usage-no-conversation"]')).to_have_text(
         "Named no conversation: 2 requests, 1 k in · 500 out.")
@@ -1003,7 +1076,7 @@ async def test_usage_panel_says_plainly_when_the_ledger_is_off(start_upstream, s
     await shot("1-ledger-off")
     # A database query is not polled like the status: after three status polls, still the one usage poll.
     await wait_until(lambda: status_polls >= 3, timeout=6, what="three status polls")
-    assert sorted(url.rsplit("by=", 1)[1] for url in usage_asks) == ["conversation", "workspace"], usage_asks
+    assert sorted(url.rsplit("by=", 1)[1] for url in usage_asks) == ["conversation,workspace", "workspace"], usage_asks
     assert all("since=5h" in url for url in usage_asks)
 
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.asyncio
 PROVIDER_FIELDS = {
     "provider", "limit", "configured_limit", "in_flight", "queued", "paused", "paused_until", "cooldown_ms",
     "auto_reduced", "auto_reduced_from", "notice", "queue", "usage", "rejected", "keys", "models", "websockets",
-    "holders",
+    "holders", "manual", "manual_set_at", "relayed_429",
 }
 
 
@@ -80,3 +80,43 @@ async def test_the_dashboard_path_without_its_slash_redirects_to_it(start_upstre
     async with client.get(f"{proxy.url}/_slotproxy") as resp:
         assert resp.status == 200
         assert resp.content_type == "text/html"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [("POST", "/_slotproxy/status", "GET, HEAD"),
+     ("DELETE", "/_slotproxy/", "GET, HEAD"),
+     ("POST", "/metrics", "GET, HEAD"),
+     ("PUT", "/healthz", "GET, HEAD"),
+     ("POST", "/_slotproxy/history", "GET, HEAD"),
+     ("GET", "/_slotproxy/providers/openai/limit", "DELETE, PUT"),
+     ("POST", "/_slotproxy/providers/openai/cooldown", "PUT"),
+     ("GET", "/_slotproxy/workspaces/alpha/star", "DELETE, PUT")],
+)
+async def test_a_wrong_method_on_an_admin_route_is_405_with_allow(start_upstream, start_proxy, client,
+                                                                  method, path, allowed) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=2))
+    async with client.request(method, f"{proxy.url}{path}") as resp:
+        assert resp.status == 405
+        assert resp.headers["Allow"] == allowed
+        body = await resp.json()
+    assert body["error"]["message"] == f"{method} is not allowed on {path}; use {allowed}"
+
+
+async def test_429s_relayed_to_clients_are_counted_in_status_beside_rejected(start_upstream, start_proxy,
+                                                                             client) -> None:
+    upstream = await start_upstream(retry_after=0.05)
+    proxy = await start_proxy(provider_yaml(upstream, limit=4, retry_on_429=1))
+    url = f"{proxy.url}/openai/chat/completions"
+    for _ in range(2):  # each is retried once, then its second 429 is relayed
+        async with client.post(url, json=chat(stream=False), headers={"x-fake-status": "429"}) as resp:
+            assert resp.status == 429
+            await resp.read()
+    async with client.post(url, json=chat(stream=False)) as resp:
+        assert resp.status == 200
+    async with client.get(f"{proxy.url}/_slotproxy/status") as resp:
+        (provider,) = (await resp.json())["providers"]
+    assert provider["relayed_429"] == 2
+    assert provider["rejected"] == {"queue_full": 0, "queue_timeout": 0}
+    assert len(upstream.fake.stats()["arrivals"]) == 5

@@ -13,13 +13,17 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 
+from proxy.admin.status import provider_document
 from proxy.config import parse_config
 from proxy.http.runtime import ProxyState
 from proxy.http.state import STATE_VERSION
 from proxy.limiter import auto_reduce_notice
+from proxy.server.app import start_server
 
 from ..cli.test_cli import wait_http
 from ..conftest import free_port
@@ -182,4 +186,46 @@ async def test_a_pool_keys_reduction_and_a_model_caps_manual_limit_survive_a_res
     assert [(k["name"], k["limit"], k["auto_reduced_from"], k["notice"]) for k in status["keys"]] == [
         ("a", 2, 3, auto_reduce_notice(2, "429")), ("b", None, None, None)]
     assert status["models"] == [{"pattern": "big-*", "limit": 1, "configured_limit": 4, "in_flight": 0}]
+    await second.close()
+
+
+async def _serve(text: str) -> tuple[Any, str]:
+    state = ProxyState(parse_config(text))
+    runner, port = await start_server(state, "127.0.0.1", 0)
+    return runner, f"http://127.0.0.1:{port}/_slotproxy"
+
+
+async def test_a_limit_set_by_hand_is_shown_as_such_after_a_restart_and_delete_restores_it(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    async with aiohttp.ClientSession() as client:
+        runner, admin = await _serve(config_text(path))
+        async with client.put(f"{admin}/providers/openai/limit", json={"limit": 7}) as resp:
+            set_at = (await resp.json())["manual_set_at"]
+        await runner.cleanup()
+
+        runner, admin = await _serve(config_text(path))
+        async with client.get(f"{admin}/status") as resp:
+            openai, other = (await resp.json())["providers"]
+        assert (openai["limit"], openai["configured_limit"], openai["manual"], openai["manual_set_at"]) == \
+            (7, 4, True, set_at)
+        assert (other["manual"], other["manual_set_at"]) == (False, None)
+        async with client.delete(f"{admin}/providers/openai/limit") as resp:
+            body = await resp.json()
+        assert (body["limit"], body["manual"], body["manual_set_at"]) == (4, False, None)
+        await runner.cleanup()
+    assert json.loads(path.read_text())["manual_limits"] == {}
+
+
+async def test_a_yaml_edit_of_a_limit_set_by_hand_wins_and_ends_the_manual_mark(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    first = await restart(config_text(path, limit=4))
+    first.backend.set_limit("openai", 2)
+    first.manual_limits.set(("openai", "provider", ""), 2, 4, 1_700_000_000_000)
+    first.state_file.save()
+    await first.close()
+    assert json.loads(path.read_text())["manual_limits"]["openai"]["limit"] == \
+        {"limit": 2, "set_at": 1_700_000_000_000, "configured": 4}
+    second = await restart(config_text(path, limit=6))
+    status = provider_document(second, second.backend.provider_status("openai"))
+    assert (status["limit"], status["manual"], status["manual_set_at"]) == (6, False, None)
     await second.close()

@@ -107,6 +107,24 @@ def test_one_backoff_is_one_line_and_each_provider_and_key_has_its_own(clock, ca
     ]
 
 
+def test_the_storm_lines_say_how_many_429s_reached_clients(clock, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="slotproxy.backoff")
+    log = BackoffLog(clock)
+    for n in range(21):  # a 429 every 0.1 s; every fourth one ran out of retries and reached its client
+        log.event("openai", "429", limit_before=4, limit_after=4, paused_until=clock.time() + 0.5)
+        if n % 4 == 3:
+            log.relayed("openai")
+        clock.advance(0.1)
+    clock.advance(10)
+    said = lines(caplog)
+    assert said[0] == f"openai: upstream 429; paused until {clock_time(T0 + 0.5)} (in 0.5 s)"
+    assert said[-1] == "openai: calm again after 21 upstream 429s in 2 s, 5 relayed to clients"
+    assert re.fullmatch(r"openai: 11 upstream 429s in the last 1 s, 2 relayed to clients; paused until .*", said[1])
+    assert log.relayed_total("openai") == 5
+    log.relayed("openai")  # no storm going on: counted, not logged
+    assert (log.relayed_total("openai"), log.relayed_total("other"), len(lines(caplog))) == (6, 0, len(said))
+
+
 # ----- reloads ------------------------------------------------------------------------------------------------
 
 
@@ -249,10 +267,12 @@ async def test_a_storm_of_429s_is_summarised_and_every_one_is_counted(
     limit = proxy.status()["limit"]
     said = storm_lines(caplog)
     assert len(said) <= math.ceil(duration) + 2, (duration, said)
-    assert re.fullmatch(rf"openai: calm again after 15 upstream 429s in \d s; limit 8 → {limit}", said[-1]), said
+    assert re.fullmatch(rf"openai: calm again after 15 upstream 429s in \d s, 15 relayed to clients; limit 8 → {limit}",
+                        said[-1]), said
     counts = []
     for line in said[1:-1]:
-        match = re.fullmatch(rf"openai: (\d+) upstream 429s in the last (\d) s; limit 8 → \d(; {PAUSE})?", line)
+        match = re.fullmatch(rf"openai: (\d+) upstream 429s in the last (\d) s, \d+ relayed to clients; "
+                             rf"limit 8 → \d(; {PAUSE})?", line)
         assert match, said
         counts.append(int(match.group(1)))
     assert counts == sorted(counts) and all(1 < count <= 15 for count in counts), said
@@ -260,4 +280,5 @@ async def test_a_storm_of_429s_is_summarised_and_every_one_is_counted(
     metrics = proxy.state.metrics.render().decode()
     assert 'slotproxy_upstream_backoff_total{provider="openai",status="429"} 15.0' in metrics
     assert f'slotproxy_auto_reductions_total{{provider="openai"}} {8 - limit}.0' in metrics
+    assert proxy.status()["relayed_429"] == 15
     assert upstream.fake.stats()["rate_limited"] == 15

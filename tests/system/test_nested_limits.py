@@ -184,7 +184,8 @@ async def test_a_model_cap_serialises_its_model_while_another_runs(start_upstrea
     assert (await post(client, url, {**chat(), "model": "small-1"}, **{"x-fake-tag": "small"}))[0] == 200
     assert time.monotonic() - started < 0.4, "another model is not held up behind the capped one"
     s = await status(proxy)
-    assert s["models"] == [{"pattern": "big-*", "limit": 1, "configured_limit": 1, "in_flight": 1}]
+    assert s["models"] == [{"pattern": "big-*", "limit": 1, "configured_limit": 1, "in_flight": 1, "manual": False,
+                             "manual_set_at": None}]
     assert s["queued"] == 1 and not second.done()
     assert (await first)[0] == 200 and (await second)[0] == 200
     assert [a["tag"] for a in up.fake.stats()["arrivals"]] == ["big-first", "small", "big-second"]

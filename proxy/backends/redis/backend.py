@@ -38,6 +38,7 @@ from ...ledger.report import UsageQuery
 from ...ledger.store import LedgerRow
 from ...limiter import Budget, Clock, LimiterSettings, ProviderStatus, policy
 from ...limiter.watchdog import SlotWatchdog
+from ...logs import BackoffLog
 from .client import SCRIPTS, text
 from .fleet import RedisFleetUsage
 from .leases import SlotKeeper
@@ -77,6 +78,11 @@ class RedisBackend(SlotKeeper):
         self.failovers = 0
         self.last_failover_at: int | None = None
         self._fleet_usage = RedisFleetUsage(self._link, self._pending, key_prefix, usage_retention)
+
+    @property
+    def backoffs(self) -> BackoffLog:
+        """The replica's log of upstream backoffs (its memory fallback's: one log whichever backs a request)."""
+        return self._local.backoffs
 
     # ----- lifecycle -------------------------------------------------------------
 
