@@ -147,6 +147,9 @@ def format_status(status: dict[str, Any], *, now_ms: float | None = None, skew_m
         for key in p.get("keys") or []:
             if key.get("notice"):
                 lines.append(f"! {name} key {key.get('name')}: {key['notice']}")
+        lines += _manual_limits(p, clock)
+        if p.get("relayed_429"):
+            lines.append(f"  {name}: {p['relayed_429']} upstream 429s relayed to clients")
         budgets = [(f"{name}", p.get("budget"))] + [(f"{name} key {k.get('name')}", k.get("budget"))
                                                      for k in p.get("keys") or []]
         for who, budget in budgets:
@@ -158,6 +161,20 @@ def format_status(status: dict[str, Any], *, now_ms: float | None = None, skew_m
         lines += _holders(p, clock, star, more)
         lines += _queue(p, clock, star, more)
     return "\n".join(lines)
+
+
+def _manual_limits(provider: dict[str, Any], clock: _Clock) -> list[str]:
+    """A line for each limit set by hand (admin API or dashboard) that differs from the configured one."""
+    name = provider.get("provider")
+    levels = [(f"{name}", provider)] + [(f"{name} key {k.get('name')}", k) for k in provider.get("keys") or []] \
+        + [(f"{name} model {m.get('pattern')}", m) for m in provider.get("models") or []]
+    lines = []
+    for who, level in levels:
+        if level.get("manual"):
+            when = f" at {clock.when(level['manual_set_at'])}" if level.get("manual_set_at") else ""
+            lines.append(f"  {who}: limit {_limit(level.get('limit'))} set by hand{when}; "
+                         f"configured {_limit(level.get('configured_limit'))}")
+    return lines
 
 
 def _budget(budget: dict[str, Any], clock: _Clock) -> str:
@@ -191,6 +208,9 @@ def _backend_and_config(status: dict[str, Any], clock: _Clock) -> list[str]:
         lines.append(f"config {config.get('path') or '(built in)'}{loaded}")
     if config.get("error"):
         lines.append(f"! config: {config['error']}")
+    if config.get("missing_since"):
+        lines.append(f"! config: the file has been missing since {clock.when(config['missing_since'])}; "
+                     "the running config is kept")
     return lines
 
 

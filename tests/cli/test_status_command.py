@@ -303,3 +303,18 @@ def test_watch_on_a_terminal_redraws_in_place_and_ctrl_c_exits_0(status_url: str
     assert data.count(b"\x1b[2J") == 1  # the screen is cleared once; each refresh goes home and overwrites
     assert data.endswith(b"\x1b[?25h")  # the cursor is shown again
     assert b"openai: 25 waiting, next to be admitted first" in data
+
+
+def test_a_limit_set_by_hand_relayed_429s_and_a_missing_config_file_are_said(utc) -> None:
+    doc = document()
+    anthropic = doc["providers"][1]
+    anthropic.update(limit=6, configured_limit=4, manual=True, manual_set_at=NOW - 60_000, relayed_429=21)
+    doc["providers"][0]["keys"][1].update(limit=1, manual=True, manual_set_at=None)
+    doc["config"]["missing_since"] = NOW - 30_000
+    text = format_status(doc, now_ms=NOW)
+    assert "  anthropic: limit 6 set by hand at 07:50:27" in text
+    assert "; configured 4" in text
+    assert "  openai key team-b: limit 1 set by hand; configured 4" in text
+    assert "  anthropic: 21 upstream 429s relayed to clients" in text
+    assert "! config: the file has been missing since 07:50:57" in text
+    assert "set by hand" not in format_status(document(), now_ms=NOW)

@@ -314,19 +314,23 @@ def require_curl() -> None:
 async def test_the_admin_api_curl_lines_do_what_they_say(start_upstream, start_proxy) -> None:
     block = block_after(doc(ADMIN_MARKER[0]), ADMIN_MARKER[1], "```sh")
     lines = curl_lines(block)
-    assert len(lines) == 5
+    assert len(lines) == 6
     upstream = await start_upstream()
     proxy = await start_proxy(
         f"state: {{path: null}}\nproviders:\n  openai: {{upstream: '{upstream.url}/v1', limit: 3}}\n"
         f"  anthropic:\n    upstream: '{upstream.url}'\n    keys: [{{name: team-a, api_key_env: SP_README_KEY}}]\n"
         "    models: {'claude-opus-*': {limit: 1}}\n")
     require_curl()
+    limits = []
     for line in lines:
         argv = shlex.split(line.replace("localhost:8787", f"127.0.0.1:{proxy.port}"))
         code, out, err = await run([*argv, "-sS", "-f"])
         assert code == 0, (line, out, err)
+        if "/providers/openai/limit" in line:
+            limits.append((proxy.status()["limit"], proxy.status()["manual"]))
+    assert limits == [(6, True), (3, False)]
     status = proxy.status()
-    assert (status["limit"], status["cooldown_ms"]) == (6, 1500)
+    assert (status["limit"], status["cooldown_ms"]) == (3, 1500)
     anthropic = proxy.status("anthropic")
     assert (anthropic["keys"][0]["limit"], anthropic["models"][0]["limit"]) == (4, 2)
     assert "release-team" in proxy.state.backend.starred()
