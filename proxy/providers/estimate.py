@@ -11,14 +11,15 @@ was written to one). One ``Estimator`` per provider.
   p90 of the last 50 (0.30 before any answer), raised after a window hit.
 - *Anthropic's prompt cache*, mirrored per key and model group: the request's
   content blocks in cache order (tools, system, then each message's blocks), one
-  cumulative hash over their canonical JSON without ``cache_control``. A prefix
-  ending at a ``cache_control`` breakpoint is remembered for 5 minutes (an hour
-  with ``"ttl": "1h"``) once its answer shows the cache was used (a read or a
-  write): a request sent alongside the one writing it would not find it either.
-  A request reads the longest remembered prefix it starts with, at a block
-  boundary at most 20 blocks before one of its own breakpoints (as Anthropic
-  looks back), if that prefix is at least 1024 tokens (the smallest prefix
-  Anthropic caches); the read renews it.
+  cumulative hash over their canonical form without ``cache_control`` (one pass,
+  linear in the body's size). A prefix ending at a ``cache_control`` breakpoint
+  is remembered for 5 minutes (an hour with ``"ttl": "1h"``) once its answer
+  shows the cache was used (a read or a write): a request sent alongside the one
+  writing it would not find it either. A request reads the longest remembered
+  prefix it starts with, at a block boundary at most 20 blocks before one of its
+  own breakpoints (as Anthropic looks back), if that prefix is at least 1024
+  tokens (the smallest prefix Anthropic caches); the read renews it. An answer
+  that read nothing from the cache drops what the request was believed to read.
 - *Output*: the group's p90 of its last 50 answers' output tokens, never above
   the request's own maximum; before any answer, that maximum, else 1024.
 - *OpenAI's tokens_per_minute*: the larger of the request's maximum output and
@@ -38,7 +39,7 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 __all__ = [
     "INPUT_WINDOW", "OUTPUT_WINDOW", "REQUESTS_WINDOW", "TOKENS_WINDOW",
@@ -249,7 +250,10 @@ class Estimator:
                 now: float) -> tuple[float, _CacheNote | None]:
         """The tokens the request will read from the mirrored cache, and what it writes."""
         seed = json.dumps([key, group, request.get("model")]).encode()
-        digests, sizes, breakpoints = _walk(request, seed)
+        try:
+            digests, sizes, breakpoints = _walk(request, seed)
+        except RecursionError:  # nested deeper than this stack allows: counted as uncached
+            return 0.0, None
         if not breakpoints:
             return 0.0, None
         scale = min(1.0, body_bytes / sizes[-1]) if sizes[-1] else 1.0
@@ -293,7 +297,7 @@ class Estimator:
 def _walk(request: Mapping[str, Any], seed: bytes) -> tuple[list[bytes], list[int], list[tuple[int, float]]]:
     """One cumulative hash over the request's content blocks in cache order: for each block, the digest and
     the canonical bytes of the prefix ending with it; and the breakpoints (block index, lifetime)."""
-    hasher = hashlib.blake2b(seed, digest_size=16)
+    hasher = hashlib.sha1(seed, usedforsecurity=False)  # a fingerprint of the client's own prompt, no secret
     digests: list[bytes] = []
     sizes: list[int] = []
     breakpoints: list[tuple[int, float]] = []
@@ -302,44 +306,71 @@ def _walk(request: Mapping[str, Any], seed: bytes) -> tuple[list[bytes], list[in
         if block is None:
             hasher.update(mark)
             continue
-        breakpoint = block.get("cache_control") if isinstance(block, dict) else None
-        if breakpoint is not None:
-            block = {name: value for name, value in block.items() if name != "cache_control"}
-        canonical = json.dumps(block, sort_keys=True, separators=(",", ":")).encode()
-        hasher.update(mark)
+        parts = [mark]
+        _canonical(block, parts)
+        canonical = b"".join(parts)
         hasher.update(canonical)
         size += len(canonical)
         digests.append(hasher.copy().digest())
         sizes.append(size)
+        breakpoint = block.get("cache_control") if type(block) is dict else None
         if isinstance(breakpoint, dict):
             breakpoints.append((len(digests) - 1, LONG_TTL if breakpoint.get("ttl") == "1h" else SHORT_TTL))
     return digests, sizes, breakpoints
 
 
+def _canonical(value: object, parts: list[bytes]) -> None:
+    """A parsed JSON value as bytes that are equal exactly when the values are, ``cache_control`` left out
+    at every depth: objects' keys sorted, strings as their UTF-8 with their length before them (no escaping
+    pass: a long text costs a copy, not an encoding)."""
+    kind = type(value)
+    if kind is str:
+        encoded = cast(str, value).encode("utf-8", "surrogatepass")
+        parts.append(b"s%d:" % len(encoded))
+        parts.append(encoded)
+    elif kind is dict:
+        mapping = cast(dict[str, Any], value)
+        parts.append(b"{")
+        for name in sorted(mapping):
+            if name != "cache_control":
+                _canonical(name, parts)
+                _canonical(mapping[name], parts)
+        parts.append(b"}")
+    elif kind is list:
+        parts.append(b"[")
+        for item in cast(list[Any], value):
+            _canonical(item, parts)
+        parts.append(b"]")
+    else:
+        parts.append(b"v%s;" % repr(value).encode())
+
+
 def _blocks(request: Mapping[str, Any]) -> Iterator[tuple[bytes, Any]]:
     """(mark, block) in cache order; a block of None is a separator (a section's or a message's start).
-    Marks start with a NUL byte, which canonical JSON never holds, so no two sequences hash alike."""
-    yield b"\x00tools", None
+    Every mark starts with a byte no canonical value starts with, so no two sequences hash alike."""
+    yield b"Ttools", None
     tools = request.get("tools")
     if isinstance(tools, list):
         for tool in tools:
-            yield b"\x00b", tool
-    yield b"\x00system", None
+            yield b"B", tool
+    yield b"Tsystem", None
     yield from _content(request.get("system"))
     messages = request.get("messages")
     if isinstance(messages, list):
         for message in messages:
             if isinstance(message, dict):
-                yield b"\x00m" + str(message.get("role")).encode(), None
+                role = [b"M"]
+                _canonical(message.get("role"), role)
+                yield b"".join(role), None
                 yield from _content(message.get("content"))
 
 
 def _content(content: object) -> Iterator[tuple[bytes, Any]]:
     if isinstance(content, str):
-        yield b"\x00b", {"type": "text", "text": content}
+        yield b"B", {"type": "text", "text": content}
     elif isinstance(content, list):
         for block in content:
-            yield b"\x00b", block
+            yield b"B", block
 
 
 def _candidates(breakpoints: list[int]) -> list[int]:

@@ -317,3 +317,18 @@ def test_hashing_a_long_conversation_is_quick() -> None:
     answer(estimator, estimate(estimator, data))
     assert estimate(estimator, data, now=2.0).cache_read > 0
     assert time.perf_counter() - started < 2.0
+
+
+def test_blocks_compare_without_cache_control_and_whatever_their_key_order() -> None:
+    estimator = Estimator()
+    answer(estimator, estimate(estimator, first_turn()))
+    reordered = body([{"role": "user", "content": [{"text": "Where is the config loaded?" * 40, "type": "text"}]},
+                      {"role": "assistant", "content": [breakpoint("Elsewhere.")]}],
+                     system=[{"cache_control": {"type": "ephemeral"}, "text": SYSTEM, "type": "text"}],
+                     tools=[dict(reversed(list(TOOLS[0].items())))])
+    assert estimate(estimator, reordered, now=2.0).cache_read == pytest.approx(
+        len(first_turn()) * 0.30, rel=0.05)
+    as_assistant = body([{"role": "assistant", "content": [breakpoint("Where is the config loaded?" * 40)]}],
+                        system=[breakpoint(SYSTEM)], tools=TOOLS)
+    shared = len(json.dumps(TOOLS)) * 0.30 + len(SYSTEM) * 0.30  # the same text in another role is not read
+    assert estimate(estimator, as_assistant, now=2.0).cache_read == pytest.approx(shared, rel=0.05)
