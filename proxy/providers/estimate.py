@@ -20,6 +20,12 @@ was written to one). One ``Estimator`` per provider.
   own breakpoints (as Anthropic looks back), if that prefix is at least 1024
   tokens (the smallest prefix Anthropic caches); the read renews it. An answer
   that read nothing from the cache drops what the request was believed to read.
+- *Images* sent inline (base64: Anthropic's ``image`` source, OpenAI's ``data:``
+  ``image_url``): a provider charges an image by its pixels, not by its base64
+  length, so its payload is left out of the bytes and it counts as the group's
+  p90 of image tokens (learned from the answers of requests with images, over
+  what their text was estimated at; 1600 before any, Anthropic's figure for a
+  full-size image).
 - *Output*: the group's p90 of its last 50 answers' output tokens, never above
   the request's own maximum; before any answer, that maximum, else 1024.
 - *OpenAI's tokens_per_minute*: the larger of the request's maximum output and
@@ -66,6 +72,8 @@ SHORT_TTL = 300.0
 LONG_TTL = 3600.0
 LOOKBACK = 20
 MIN_CACHED_TOKENS = 1024
+PRIOR_IMAGE_TOKENS = 1600
+_MEDIA_MARK = b"base64"
 _MAX_KEYS = ("max_tokens", "max_output_tokens", "max_completion_tokens")
 _CACHE_MARK = b'"cache_control"'
 _ERRORS_OF_INPUT = "input"
@@ -93,6 +101,8 @@ class Estimate:
     dialect: str = "openai"
     carried: float = 0.0
     """Tokens a WebSocket continuation carries from the previous response (part of ``input``)."""
+    images: int = 0
+    """Inline images, counted apart: ``input_bytes`` is the body's bytes less their payloads."""
     cache: _CacheNote | None = field(default=None, repr=False, compare=False)
 
 
@@ -131,17 +141,22 @@ class _Recent:
 
 
 class _Group:
-    __slots__ = ("errors", "outputs", "raised", "ratios")
+    __slots__ = ("errors", "images", "outputs", "raised", "ratios")
 
     def __init__(self) -> None:
         self.ratios = _Recent()
         self.outputs = _Recent()
+        self.images = _Recent()
         self.errors: dict[str, _Recent] = {}
         self.raised = 1.0
 
     def ratio(self) -> float:
         learned = self.ratios.p90
         return (PRIOR_RATIO if learned is None else learned) * self.raised
+
+    def image_tokens(self) -> float:
+        learned = self.images.p90
+        return (PRIOR_IMAGE_TOKENS if learned is None else learned) * self.raised
 
 
 class Estimator:
@@ -170,11 +185,17 @@ class Estimator:
         stats = self._group(group)
         ratio = stats.ratio()
         carried = float(sum(continuation)) if continuation is not None else 0.0
-        total_input = len(body) * ratio + carried
         if not any(window != REQUESTS_WINDOW for window in windows):
-            return Estimate({w: 1.0 for w in windows}, len(body), 0.0, total_input, 0.0, dialect, carried)
+            return Estimate({w: 1.0 for w in windows}, len(body), 0.0, len(body) * ratio + carried, 0.0,
+                            dialect, carried)
         if request is None:
             request = _parsed(body)
+        media = _Media()
+        if _MEDIA_MARK in body:
+            _find_media(request, media)
+        counted = len(body) - media.payload
+        image_tokens = stats.image_tokens()
+        total_input = counted * ratio + media.images * image_tokens + carried
         asked = _max_output(request)
         history = stats.outputs.p90
         if history is None:
@@ -183,7 +204,7 @@ class Estimator:
             output = history if asked is None else min(history, float(asked))
         read, note = 0.0, None
         if dialect == "anthropic" and INPUT_WINDOW in windows and continuation is None and _CACHE_MARK in body:
-            read, note = self._mirror(key, group, request, len(body), ratio, now)
+            read, note = self._mirror(key, group, request, counted, ratio, image_tokens, media.images > 0, now)
         cost = {}
         for window in windows:
             if window == INPUT_WINDOW:
@@ -194,7 +215,7 @@ class Estimator:
                 cost[window] = max(float(asked), total_input) if asked is not None else total_input + output
             else:
                 cost[window] = 1.0
-        return Estimate(cost, len(body), read, total_input, output, dialect, carried, note)
+        return Estimate(cost, counted, read, total_input, output, dialect, carried, media.images, note)
 
     def learn(self, *, key: str | None, group: str, estimate: Estimate, input_tokens: int, cached_read: int,
               output_tokens: int, now: float, cache_write: int | None = None) -> None:
@@ -203,7 +224,10 @@ class Estimator:
         unknown; an answer that read and wrote nothing leaves the request's breakpoints unremembered."""
         del key  # the ratio is the group's; the cache digests carry the key
         stats = self._group(group)
-        if estimate.input_bytes > 0 and not estimate.carried and input_tokens > 0:
+        if estimate.images:
+            text = estimate.input_bytes * (stats.ratios.p90 or PRIOR_RATIO) + estimate.carried
+            stats.images.add(max(0.0, input_tokens - text) / estimate.images)
+        elif estimate.input_bytes > 0 and not estimate.carried and input_tokens > 0:
             stats.ratios.add(min(MAX_RATIO, input_tokens / estimate.input_bytes))
         stats.outputs.add(float(output_tokens))
         stats.raised = 1.0 + (stats.raised - 1.0) * RAISE_KEPT
@@ -246,17 +270,17 @@ class Estimator:
             self._groups.move_to_end(group)
         return stats
 
-    def _mirror(self, key: str | None, group: str, request: Mapping[str, Any], body_bytes: int, ratio: float,
-                now: float) -> tuple[float, _CacheNote | None]:
+    def _mirror(self, key: str | None, group: str, request: Mapping[str, Any], counted: int, ratio: float,
+                image_tokens: float, with_media: bool, now: float) -> tuple[float, _CacheNote | None]:
         """The tokens the request will read from the mirrored cache, and what it writes."""
         seed = json.dumps([key, group, request.get("model")]).encode()
         try:
-            digests, sizes, breakpoints = _walk(request, seed)
+            digests, sizes, images, breakpoints = _walk(request, seed, with_media)
         except RecursionError:  # nested deeper than this stack allows: counted as uncached
             return 0.0, None
         if not breakpoints:
             return 0.0, None
-        scale = min(1.0, body_bytes / sizes[-1]) if sizes[-1] else 1.0
+        scale = min(1.0, counted / sizes[-1]) if sizes[-1] else 1.0
         read, longest = 0.0, -1
         for at in _candidates([at for at, _ in breakpoints]):
             entry = self._prefixes.get(digests[at])
@@ -265,7 +289,7 @@ class Estimator:
             if entry[0] <= now:
                 del self._prefixes[digests[at]]
                 continue
-            tokens = sizes[at] * scale * ratio
+            tokens = sizes[at] * scale * ratio + images[at] * image_tokens
             if tokens >= MIN_CACHED_TOKENS:
                 read, longest = tokens, at
                 self._remember(digests[at], entry[1], now)
@@ -294,14 +318,18 @@ class Estimator:
             self._prefixes.popitem(last=False)
 
 
-def _walk(request: Mapping[str, Any], seed: bytes) -> tuple[list[bytes], list[int], list[tuple[int, float]]]:
-    """One cumulative hash over the request's content blocks in cache order: for each block, the digest and
-    the canonical bytes of the prefix ending with it; and the breakpoints (block index, lifetime)."""
+def _walk(request: Mapping[str, Any], seed: bytes, with_media: bool) -> tuple[
+        list[bytes], list[int], list[int], list[tuple[int, float]]]:
+    """One cumulative hash over the request's content blocks in cache order: for each block, the digest,
+    the canonical bytes (image payloads left out) and the images of the prefix ending with it; and the
+    breakpoints (block index, lifetime)."""
     hasher = hashlib.sha1(seed, usedforsecurity=False)  # a fingerprint of the client's own prompt, no secret
     digests: list[bytes] = []
     sizes: list[int] = []
+    images: list[int] = []
     breakpoints: list[tuple[int, float]] = []
     size = 0
+    media = _Media()
     for mark, block in _blocks(request):
         if block is None:
             hasher.update(mark)
@@ -311,12 +339,17 @@ def _walk(request: Mapping[str, Any], seed: bytes) -> tuple[list[bytes], list[in
         canonical = b"".join(parts)
         hasher.update(canonical)
         size += len(canonical)
+        if with_media:
+            payload = media.payload
+            _find_media(block, media)
+            size -= media.payload - payload
         digests.append(hasher.copy().digest())
         sizes.append(size)
+        images.append(media.images)
         breakpoint = block.get("cache_control") if type(block) is dict else None
         if isinstance(breakpoint, dict):
             breakpoints.append((len(digests) - 1, LONG_TTL if breakpoint.get("ttl") == "1h" else SHORT_TTL))
-    return digests, sizes, breakpoints
+    return digests, sizes, images, breakpoints
 
 
 def _canonical(value: object, parts: list[bytes]) -> None:
@@ -371,6 +404,44 @@ def _content(content: object) -> Iterator[tuple[bytes, Any]]:
     elif isinstance(content, list):
         for block in content:
             yield b"B", block
+
+
+class _Media:
+    __slots__ = ("images", "payload")
+
+    def __init__(self) -> None:
+        self.images = 0
+        self.payload = 0
+
+
+def _find_media(value: object, media: _Media) -> None:
+    """Inline images anywhere in ``value`` (a tool result's content holds them too): Anthropic's base64
+    ``source``, OpenAI's ``data:`` URLs (chat's ``image_url.url``, the Responses API's ``image_url``)."""
+    if type(value) is list:
+        for item in cast(list[Any], value):
+            _find_media(item, media)
+        return
+    if type(value) is not dict:
+        return
+    block = cast(dict[str, Any], value)
+    kind = block.get("type")
+    payload = None
+    if kind == "image":
+        source = block.get("source")
+        if type(source) is dict and source.get("type") == "base64":
+            payload = source.get("data")
+    elif kind == "image_url" or kind == "input_image":
+        url = block.get("image_url")
+        payload = url.get("url") if type(url) is dict else url
+        if not (type(payload) is str and payload.startswith("data:")):
+            payload = None
+    if type(payload) is str:
+        media.images += 1
+        media.payload += len(payload)
+        return
+    for item in block.values():
+        if type(item) is list or type(item) is dict:
+            _find_media(item, media)
 
 
 def _candidates(breakpoints: list[int]) -> list[int]:

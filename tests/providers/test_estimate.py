@@ -332,3 +332,44 @@ def test_blocks_compare_without_cache_control_and_whatever_their_key_order() -> 
                         system=[breakpoint(SYSTEM)], tools=TOOLS)
     shared = len(json.dumps(TOOLS)) * 0.30 + len(SYSTEM) * 0.30  # the same text in another role is not read
     assert estimate(estimator, as_assistant, now=2.0).cache_read == pytest.approx(shared, rel=0.05)
+
+
+PNG = "iVBORw0KGgo" * 100_000  # about 1 MB of base64: a screenshot
+
+
+def test_an_inline_image_counts_as_an_image_not_as_its_base64() -> None:
+    estimator = Estimator()
+    screenshot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    data = body([{"role": "user", "content": [screenshot, {"type": "text", "text": "What is on screen?"}]}])
+    made = estimate(estimator, data)
+    assert made.images == 1 and made.input_bytes == len(data) - len(PNG)
+    assert made.input == pytest.approx(made.input_bytes * 0.30 + 1600)
+    chat = json.dumps({"model": "gpt-4.1", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG}},
+        {"type": "input_image", "image_url": "data:image/png;base64," + PNG},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}).encode()
+    openai = estimate(estimator, chat, dialect="openai", windows=OPENAI, group="gpt-4.1")
+    assert openai.images == 2 and openai.input == pytest.approx(openai.input_bytes * 0.30 + 3200)
+
+
+def test_the_tokens_an_image_costs_are_learned_per_group() -> None:
+    estimator = Estimator()
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    data = body([{"role": "user", "content": [shot, shot, {"type": "text", "text": "Compare them."}]}])
+    made = estimate(estimator, data)
+    answer(estimator, made, input_tokens=round(made.input_bytes * 0.30) + 2 * 700)
+    assert estimate(estimator, data, now=2.0).input == pytest.approx(made.input_bytes * 0.30 + 1400, abs=1)
+    assert estimator.status(None, "claude-sonnet-*")["ratio"] == 0.30  # the text ratio is not learned from it
+
+
+def test_an_image_in_a_cached_prefix_is_read_at_its_image_tokens() -> None:
+    estimator = Estimator()
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    opening = [{"role": "user", "content": [shot, breakpoint("Describe it. " * 400)]}]
+    first = estimate(estimator, body(opening))
+    answer(estimator, first)
+    later = body([*opening, {"role": "assistant", "content": "A login form."},
+                  {"role": "user", "content": [breakpoint("Fill it in.")]}])
+    again = estimate(estimator, later, now=5.0)
+    assert again.cache_read == pytest.approx(first.input, rel=0.05)
+    assert again.cost[INPUT_WINDOW] < 100
