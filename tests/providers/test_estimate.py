@@ -252,14 +252,11 @@ def test_a_read_the_answer_denies_is_forgotten() -> None:
 
 
 def test_a_prefix_expires_after_five_minutes() -> None:
-    estimator = Estimator()
-    answer(estimator, estimate(estimator, first_turn()), now=1.0)
-    assert estimate(Estimator(), first_turn(), now=2.0).cache_read == 0.0
-    late = Estimator()
-    answer(late, estimate(late, first_turn()), now=1.0)
-    assert late.estimate(dialect="anthropic", key="team-a", group="claude-sonnet-*", body=next_turn(),
-                         request=None, windows=ANTHROPIC, now=1.0 + 299.0).cache_read > 0
-    assert estimate(estimator, next_turn(), now=1.0 + 301.0).cache_read == 0.0
+    in_time, too_late = Estimator(), Estimator()
+    for estimator in (in_time, too_late):
+        answer(estimator, estimate(estimator, first_turn()), now=1.0)
+    assert estimate(in_time, next_turn(), now=1.0 + 299.0).cache_read > 0
+    assert estimate(too_late, next_turn(), now=1.0 + 301.0).cache_read == 0.0
 
 
 def test_a_one_hour_prefix_is_renewed_when_read() -> None:
