@@ -10,6 +10,7 @@ from multidict import CIMultiDict
 
 from proxy.providers.budgets import read_budget
 from proxy.providers.window_signals import (
+    Dialect,
     beyond_rounding,
     most_remaining,
     window_hit,
@@ -175,8 +176,8 @@ def test_an_openai_429_names_its_window(body: bytes, window: str) -> None:
     ("anthropic", b""),
     ("openai", None),
 ])
-def test_a_429_naming_no_window_is_not_a_window_hit(dialect: str, body: bytes | None) -> None:
-    assert window_hit(dialect, 429, {}, body) is None  # type: ignore[arg-type]
+def test_a_429_naming_no_window_is_not_a_window_hit(dialect: Dialect, body: bytes | None) -> None:
+    assert window_hit(dialect, 429, {}, body) is None
 
 
 def test_a_window_s_remaining_zero_names_it_when_the_words_do_not() -> None:
