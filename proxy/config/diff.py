@@ -135,7 +135,8 @@ def _name(name: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    """A value as YAML's flow style writes it: ``null``, ``true``, ``30s``, ``[POST, PUT]``, ``{after: 10m}``."""
+    """A value as YAML's flow style writes it: ``null``, ``true``, ``30s``, ``[POST, PUT]``, ``{after: 10m}``
+    (a mapping without its null entries)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -144,6 +145,6 @@ def _show(value: Any) -> str:
         return value if value else '""'
     if isinstance(value, list):
         return "[" + ", ".join(map(_show, value)) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{key}: {_show(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, dict):  # a key left null is one not written: say what is
+        return "{" + ", ".join(f"{key}: {_show(item)}" for key, item in value.items() if item is not None) + "}"
     return str(value)

@@ -314,6 +314,8 @@ def _model_at(loc: Loc) -> type[BaseModel] | None:
             current = field.annotation
         elif typing.get_origin(current) is dict:
             current = typing.get_args(current)[1]
+        elif typing.get_origin(current) is tuple and isinstance(part, int):
+            current = typing.get_args(current)[0]
         else:
             return None
     current = _unwrap(current)

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..limiter.window import WindowSettings
 from .types import (
     MASK,
     PROVIDER_NAMES_SCHEMA,
@@ -54,6 +55,12 @@ from .types import (
     UsageUrl,
     env_name_for_display,
     looks_like_a_key,
+)
+from .windows import (
+    ProviderWindows,
+    WindowLimits,
+    foreign_window_warnings,
+    written_windows,
 )
 
 __all__ = [
@@ -147,18 +154,18 @@ class Defaults(_Frozen):
 _INHERIT: Any = None
 
 
-
-
 class PoolKey(_Frozen):
     """One key of a provider's pool: its own slots, pause and reduction."""
 
     name: KeyName
     api_key_env: EnvName
     limit: Limit = None
+    windows: WindowLimits | None = None
 
 
 class ModelLimit(_Frozen):
     limit: Limit = None
+    windows: WindowLimits | None = None
 
 
 def _distinct_key_names(keys: tuple[PoolKey, ...]) -> tuple[PoolKey, ...]:
@@ -200,6 +207,7 @@ class Provider(_Frozen):
     recovery: Recovery | None = None
     keys: PoolKeys = ()
     models: dict[ModelPattern, ModelLimit] = Field(default_factory=dict)
+    windows: ProviderWindows | None = None
     budgets: bool = False
     websocket: bool = True
     """Relay WebSocket upgrades (the Responses API's WebSocket mode), a slot per response; false: 426."""
@@ -333,12 +341,29 @@ class ProviderSettings(_Frozen):
     recovery: Recovery | None
     keys: tuple[PoolKey, ...] = ()
     models: dict[str, ModelLimit] = Field(default_factory=dict)
+    windows: ProviderWindows | None = None
     budgets: bool = False
     websocket: bool = True
 
     @field_serializer("slot_methods", "backoff_statuses", "reduce_statuses", when_used="json")
     def _sorted(self, values: frozenset[Any]) -> list[Any]:
         return sorted(values)
+
+    @property
+    def dialect(self) -> Literal["anthropic", "openai"]:
+        """Whose API the provider speaks, for counting tokens as it counts them: Anthropic's with
+        ``auth: x-api-key``, else OpenAI's."""
+        return "anthropic" if self.auth == "x-api-key" else "openai"
+
+    def window_settings(self) -> WindowSettings | None:
+        """The limiter's view of the windows; None when no ``windows:`` is written anywhere (none is held)."""
+        models = {pattern: cap.windows.limits() for pattern, cap in self.models.items() if cap.windows is not None}
+        keys = {key.name: key.windows.limits() for key in self.keys if key.windows is not None}
+        if self.windows is None and not models and not keys:
+            return None
+        own = self.windows or ProviderWindows()
+        return WindowSettings(provider=own.limits(), models=models, keys=keys, learn=own.learn,
+                              headroom=own.headroom)
 
 
 def _resolve(name: str, provider: Provider, defaults: Defaults) -> ProviderSettings:
@@ -349,7 +374,7 @@ def _resolve(name: str, provider: Provider, defaults: Defaults) -> ProviderSetti
     own = provider.model_dump(include={"upstream", "api_key_env", "auth", "tls_verify", "budgets",
                                                 "websocket"})
     return ProviderSettings(name=name, usage=provider.usage, keys=provider.keys, models=provider.models,
-                            **own, **inherited)
+                            windows=provider.windows, **own, **inherited)
 
 
 
@@ -389,6 +414,17 @@ class Config(_Frozen):
             and (value is not None or key not in sections)
         }
 
+    @model_validator(mode="after")
+    def _windows_need_the_memory_backend(self) -> Config:
+        if self.backend.kind == "memory":
+            return self
+        written = [path for name, provider in self.providers.items()
+                   for path, _ in written_windows(name, provider.windows, provider.models, provider.keys)]
+        if written:
+            raise ValueError(f"backend.kind: {self.backend.kind} cannot hold token windows in this version (the "
+                             f"memory backend holds them): remove {', '.join(written)}, or set backend.kind: memory")
+        return self
+
     def model_post_init(self, context: Any, /) -> None:
         self._settings = {
             name: _resolve(name, provider, self.defaults)
@@ -420,6 +456,8 @@ class Config(_Frozen):
             if settings.usage is not None and self.backend.kind != "memory":
                 found.append(f"providers.{name}.usage is ignored with the {self.backend.kind} backend: the usage "
                              "gate needs backend.kind: memory (release_cooldown still applies)")
+            blocks = written_windows(name, settings.windows, settings.models, settings.keys)
+            found.extend(foreign_window_warnings(name, settings.dialect, blocks))
         return found
 
     def masked(self) -> dict[str, Any]:

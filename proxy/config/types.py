@@ -34,6 +34,7 @@ __all__ = [
     "Duration",
     "EnvName",
     "HeaderName",
+    "Headroom",
     "KeyName",
     "Limit",
     "Method",
@@ -53,6 +54,7 @@ __all__ = [
     "Statuses",
     "Upstream",
     "UsageUrl",
+    "WindowLimit",
     "env_name_for_display",
     "format_duration",
     "format_size",
@@ -324,8 +326,19 @@ def _check_share(value: object) -> float:
 Share = Annotated[float, BeforeValidator(_check_share), WithJsonSchema(
     {"type": "number", "exclusiveMinimum": 0, "maximum": 1})]
 
+def _check_headroom(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError("must be the fraction of each window left unused: a number from 0 up to (not including) "
+                         "1, such as 0.05")
+    return float(value)
+
+
+Headroom = Annotated[float, BeforeValidator(_check_headroom), WithJsonSchema(
+    {"type": "number", "minimum": 0, "exclusiveMaximum": 1})]
+
 if TYPE_CHECKING:
     Limit: TypeAlias = int | None
+    WindowLimit: TypeAlias = int
     PositiveIntOrNull: TypeAlias = int | None
     Port: TypeAlias = int
     Count: TypeAlias = int
@@ -339,6 +352,7 @@ else:
     Count = _int_type("must be a whole number, 0 or more", 0)
     Status = _int_type("must be an HTTP status code from 400 to 599", 400, 599)
     ConnectionCount = _int_type("must be a whole number from 1 to 1000000", 1, 1_000_000)
+    WindowLimit = _int_type("must be a whole number per minute, 1 or more (leave the window out to hold none)", 1)
 EnvName = Annotated[
     str,
     _matching(

@@ -67,6 +67,7 @@ def limiter_settings(settings: ProviderSettings, environ: Mapping[str, str] | No
         models=tuple(ModelCap(pattern, cap.limit) for pattern, cap in settings.models.items()),
         max_share=max_share,
         budgets=settings.budgets,
+        windows=settings.window_settings(),
     )
 
 

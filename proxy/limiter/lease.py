@@ -10,6 +10,7 @@ from typing import Protocol
 from .clock import Clock
 from .level import LimitLevel
 from .queue import Priority
+from .window import WindowSettings
 
 __all__ = ["AdmissionGate", "KeySettings", "Lease", "LimiterSettings", "ModelCap", "SlotLease"]
 
@@ -43,6 +44,7 @@ class LimiterSettings:
     models: tuple[ModelCap, ...] = ()
     max_share: float | None = None
     budgets: bool = False
+    windows: WindowSettings | None = None
 
     def pool(self) -> tuple[KeySettings, ...]:
         """The keys that may be chosen; none available means no pool (the provider is its one key)."""

@@ -20,7 +20,7 @@ from datetime import datetime
 
 from ..limiter import Budget
 
-__all__ = ["MAX_HOLD", "read_budget"]
+__all__ = ["MAX_HOLD", "header_count", "read_budget", "reset_duration", "reset_instant"]
 
 MAX_HOLD = 8 * 86400.0
 """A reset further ahead than this (the longest window providers announce is 7 days) is not believed."""
@@ -32,21 +32,21 @@ _ANTHROPIC_TOKENS = ("tokens", "input-tokens", "output-tokens")
 
 def read_budget(headers: Mapping[str, str], now: float) -> Budget | None:
     """The budget the headers announce (None when they announce none). Unreadable values are skipped."""
-    requests = _count(headers.get("x-ratelimit-remaining-requests"))
-    tokens = _count(headers.get("x-ratelimit-remaining-tokens"))
-    requests_reset = _after(now, _duration(headers.get("x-ratelimit-reset-requests")))
-    tokens_reset = _after(now, _duration(headers.get("x-ratelimit-reset-tokens")))
-    anthropic_requests = _count(headers.get("anthropic-ratelimit-requests-remaining"))
+    requests = header_count(headers.get("x-ratelimit-remaining-requests"))
+    tokens = header_count(headers.get("x-ratelimit-remaining-tokens"))
+    requests_reset = _after(now, reset_duration(headers.get("x-ratelimit-reset-requests")))
+    tokens_reset = _after(now, reset_duration(headers.get("x-ratelimit-reset-tokens")))
+    anthropic_requests = header_count(headers.get("anthropic-ratelimit-requests-remaining"))
     if anthropic_requests is not None:
         requests = anthropic_requests
-        requests_reset = _instant(headers.get("anthropic-ratelimit-requests-reset"), now)
+        requests_reset = reset_instant(headers.get("anthropic-ratelimit-requests-reset"), now)
     for kind in _ANTHROPIC_TOKENS:
-        remaining = _count(headers.get(f"anthropic-ratelimit-{kind}-remaining"))
+        remaining = header_count(headers.get(f"anthropic-ratelimit-{kind}-remaining"))
         if remaining is not None and (tokens is None or remaining < tokens):
             tokens = remaining
-            tokens_reset = _instant(headers.get(f"anthropic-ratelimit-{kind}-reset"), now)
+            tokens_reset = reset_instant(headers.get(f"anthropic-ratelimit-{kind}-reset"), now)
     status = headers.get("anthropic-ratelimit-unified-status")
-    unified_reset = _instant(headers.get("anthropic-ratelimit-unified-reset"), now)
+    unified_reset = reset_instant(headers.get("anthropic-ratelimit-unified-reset"), now)
     if requests is None and tokens is None and status is None:
         return None
     holds = []
@@ -61,14 +61,15 @@ def read_budget(headers: Mapping[str, str], now: float) -> Budget | None:
                   requests_reset=requests_reset)
 
 
-def _count(raw: str | None) -> int | None:
+def header_count(raw: str | None) -> int | None:
+    """A count header's value (digits only); None when absent or unreadable."""
     if raw is None:
         return None
     raw = raw.strip()
-    return int(raw) if raw.isdigit() and len(raw) <= 15 else None
+    return int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 15 else None
 
 
-def _duration(raw: str | None) -> float | None:
+def reset_duration(raw: str | None) -> float | None:
     """An OpenAI reset duration: ``20ms``, ``1.5s``, ``6m0s``, ``1h2m3s``."""
     if raw is None:
         return None
@@ -84,7 +85,7 @@ def _duration(raw: str | None) -> float | None:
     return total if position == len(raw) else None
 
 
-def _instant(raw: str | None, now: float) -> float | None:
+def reset_instant(raw: str | None, now: float) -> float | None:
     """A reset time: RFC 3339, or epoch seconds (Anthropic's unified reset)."""
     if raw is None:
         return None

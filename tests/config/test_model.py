@@ -172,7 +172,7 @@ def test_defaults_values() -> None:
 
 def test_provider_can_override_every_default() -> None:
     assert set(Defaults.model_fields) <= set(Provider.model_fields)
-    own = {"name", "upstream", "api_key_env", "auth", "tls_verify", "usage", "keys", "models", "budgets",
+    own = {"name", "upstream", "api_key_env", "auth", "tls_verify", "usage", "keys", "models", "windows", "budgets",
            "websocket"}
     assert set(ProviderSettings.model_fields) == set(Defaults.model_fields) | own
 

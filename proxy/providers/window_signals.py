@@ -1,0 +1,134 @@
+"""Reading the token windows from providers' answers: the limits and the room they announce, and which
+window a 429 names.
+
+Anthropic announces ``anthropic-ratelimit-{input-tokens,output-tokens,requests}-{limit,remaining,reset}``
+(resets in RFC 3339; token ``-remaining`` rounded to the nearest thousand), and its 429 says "... of 40,000
+input tokens per minute". Its ``anthropic-ratelimit-tokens-*`` only repeats the most restrictive of the
+token windows and is not a window of its own. OpenAI announces ``x-ratelimit-{limit,remaining,reset}-
+{tokens,requests}`` (resets as durations such as ``6m0s``), and its 429 says "... on tokens per min (TPM):
+Limit 30000, Used 29000, Requested 2000". A window is named as the config names it (``WINDOW_NAMES``).
+
+Pure: the caller passes the headers (case-insensitive, or with lower-case names), the body and the time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Literal
+
+from .budgets import MAX_HOLD, header_count, reset_duration, reset_instant
+
+__all__ = ["Dialect", "beyond_rounding", "most_remaining", "window_hit", "window_limits", "window_remaining"]
+
+Dialect = Literal["anthropic", "openai"]
+
+RATE_LIMIT_STATUS = 429
+ANTHROPIC_ROUNDING = 1000
+"""Anthropic rounds a token window's ``-remaining`` to the nearest thousand."""
+
+_HEADER_WINDOWS: dict[str, dict[str, str]] = {
+    "anthropic": {
+        "input_tokens_per_minute": "anthropic-ratelimit-input-tokens-{}",
+        "output_tokens_per_minute": "anthropic-ratelimit-output-tokens-{}",
+        "requests_per_minute": "anthropic-ratelimit-requests-{}",
+    },
+    "openai": {
+        "tokens_per_minute": "x-ratelimit-{}-tokens",
+        "requests_per_minute": "x-ratelimit-{}-requests",
+    },
+}
+_ROUNDED = frozenset({("anthropic", "input_tokens_per_minute"), ("anthropic", "output_tokens_per_minute")})
+
+_MAX_READ = 64 * 1024
+"""A window's name is in the first words of an error body; nothing past this is searched."""
+_NAMED_WINDOW = re.compile(r"\b(input tokens|output tokens|tokens|requests) per min(?:ute)?\b", re.IGNORECASE)
+_NAMED: dict[str, dict[str, str]] = {
+    "anthropic": {"input tokens": "input_tokens_per_minute", "output tokens": "output_tokens_per_minute",
+                  "requests": "requests_per_minute"},
+    "openai": {"tokens": "tokens_per_minute", "requests": "requests_per_minute"},
+}
+
+
+def window_limits(dialect: Dialect, headers: Mapping[str, str]) -> dict[str, int]:
+    """The per-minute limit of each window the answer announces (``*-limit`` headers of 1 or more)."""
+    folded = _lowercase(headers)
+    limits = {}
+    for window, pattern in _HEADER_WINDOWS[dialect].items():
+        limit = header_count(folded.get(pattern.format("limit")))
+        if limit:
+            limits[window] = limit
+    return limits
+
+
+def window_remaining(dialect: Dialect, headers: Mapping[str, str], now: float) -> dict[str, tuple[float, float | None]]:
+    """Each announced window's room: ``(remaining, reset_at)``, the reset as epoch seconds (None when it is
+    missing or unreadable). Anthropic's token counts are returned as announced, rounded: see ``beyond_rounding``."""
+    folded = _lowercase(headers)
+    room: dict[str, tuple[float, float | None]] = {}
+    for window, pattern in _HEADER_WINDOWS[dialect].items():
+        remaining = header_count(folded.get(pattern.format("remaining")))
+        if remaining is not None:
+            room[window] = (float(remaining), _reset_at(dialect, folded.get(pattern.format("reset")), now))
+    return room
+
+
+def beyond_rounding(dialect: Dialect, window: str, believed: float, announced: float) -> bool:
+    """Whether an announced ``-remaining`` differs from the room believed by more than the provider's rounding
+    (half a thousand for Anthropic's token windows, nothing elsewhere): only such a difference corrects."""
+    return abs(believed - announced) > _half_rounding(dialect, window)
+
+
+def most_remaining(dialect: Dialect, window: str, announced: float) -> float:
+    """The most room an announced ``-remaining`` can stand for, its rounding included: what a correction
+    lowers the believed room to."""
+    return announced + _half_rounding(dialect, window)
+
+
+def window_hit(dialect: Dialect, status: int, headers: Mapping[str, str], body: bytes | str | None) -> str | None:
+    """The window a 429 names, or None when it names none (an other 429 keeps the usual backoff rules).
+
+    The error message's words come first ("... 40,000 input tokens per minute", "... on tokens per min
+    (TPM)"), then a window whose ``-remaining`` header is 0. A per-day limit is not a window.
+    """
+    if status != RATE_LIMIT_STATUS:
+        return None
+    named = _named_in(dialect, body)
+    if named is not None:
+        return named
+    folded = _lowercase(headers)
+    for window, pattern in _HEADER_WINDOWS[dialect].items():
+        if header_count(folded.get(pattern.format("remaining"))) == 0:
+            return window
+    return None
+
+
+def _named_in(dialect: Dialect, body: bytes | str | None) -> str | None:
+    if not body:
+        return None
+    text = body[:_MAX_READ].decode("utf-8", "replace") if isinstance(body, bytes) else body[:_MAX_READ]
+    for match in _NAMED_WINDOW.finditer(text):
+        window = _NAMED[dialect].get(match.group(1).lower())
+        if window is not None:
+            return window
+    return None
+
+
+def _reset_at(dialect: Dialect, raw: str | None, now: float) -> float | None:
+    if dialect == "anthropic":
+        return reset_instant(raw, now)
+    delay = reset_duration(raw)
+    return None if delay is None or delay > MAX_HOLD else now + delay
+
+
+def _half_rounding(dialect: Dialect, window: str) -> float:
+    return ANTHROPIC_ROUNDING / 2 if (dialect, window) in _ROUNDED else 0.0
+
+
+def _lowercase(headers: Mapping[str, str]) -> dict[str, str]:
+    """Header names folded to lower case; the first of duplicate names wins."""
+    folded: dict[str, str] = {}
+    for name, value in headers.items():
+        if isinstance(name, str) and isinstance(value, str):
+            folded.setdefault(name.lower(), value)
+    return folded
