@@ -14,8 +14,14 @@ key has a fixed window: its first model request opens one of
 ``window_seconds``, in which at most ``window_requests`` requests are admitted
 (whatever their answer); the next is refused until the window ends, with a
 Retry-After (whole seconds, rounded up) and a retry-after-ms (exact) that say
-when. Refusals are checked in that order (window, ``cap``, ``key_limit``), each
-a 429 counted in ``rate_limited``; the window's also in ``window_rejected``.
+when. With ``itpm``, ``otpm``, ``tpm`` or ``rpm``, the per-minute windows of
+``windows`` hold each key and model instead (they cannot be combined with
+``window_requests``), refusing in the provider's words (``dialects``).
+Refusals are checked in that order (window, per-minute windows, ``cap``,
+``key_limit``), each a 429 counted in ``rate_limited``; a window's also in
+``window_rejected``, and a per-minute window's in its own ``rejected`` of
+``stats()["windows"]`` (by window name: its ``limit``, ``rejected``, and each
+key and model's bucket ``level``).
 """
 
 from __future__ import annotations

@@ -54,6 +54,26 @@ was counted:
 ``anthropic-ratelimit-unified-reset``       with ``unified``: the reset, in
                                             epoch seconds rounded up
 ==========================================  ====================================
+
+With the per-minute windows (``windows``), every model answer (200 or 429)
+announces instead each window that holds its route, as it stands once this
+request was charged: OpenAI's ``x-ratelimit-{limit,remaining,reset}-tokens``
+(``tokens_per_minute``) and ``-requests``, the reset the wait till the bucket
+is full in the duration form above; Anthropic's ``anthropic-ratelimit-
+{input-tokens,output-tokens,requests}-{limit,remaining,reset}``, token
+``-remaining`` rounded to the nearest thousand (halves up), the reset the
+instant the bucket is full (RFC 3339), and ``anthropic-ratelimit-tokens-*``
+repeating the token window with the least remaining. A window that refuses a
+request answers 429 with Retry-After and retry-after-ms (the wait till it has
+room) and the provider's body: OpenAI ``{"error": {"message": "Rate limit
+reached for MODEL in organization org-fake on tokens per min (TPM): Limit L,
+Used U, Requested R. Please try again in 1.2s. Visit ...", "type": "tokens",
+"param": null, "code": "rate_limit_exceeded"}}`` (``requests per min (RPM)``,
+type ``requests``; above the whole window, ``Request too large for ...``);
+Anthropic ``{"type": "error", "error": {"type": "rate_limit_error", "message":
+"This request would exceed the rate limit for your organization (ORG) of
+450,000 input tokens per minute. For details, ..."}}`` (``output tokens``,
+``requests``).
 """
 
 from __future__ import annotations

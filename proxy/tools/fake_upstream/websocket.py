@@ -16,7 +16,10 @@ after which the socket stays open::
      "headers": {"retry-after": "1", "retry-after-ms": "1000"}}
 
 A ``response.create`` over the cap, ``key_limit`` or window gets that 429 (the
-wait as the HTTP 429 states it; ``headers`` only on 429s); a frame that is no
+wait as the HTTP 429 states it; ``headers`` only on 429s). Each frame is charged
+to the per-minute windows as a POST is (a warm-up: one request, no tokens); one
+they refuse gets the 429 frame with OpenAI's window ``error`` (``dialects``) and,
+in ``headers``, the windows' ``x-ratelimit-*`` beside the waits; a frame that is no
 JSON object, or bad knobs, a 400 (type and code ``invalid_request_error``).
 Binary frames and frames of any other type (``response.cancel``) are ignored.
 A client that closes the socket, or vanishes, mid-response frees its slot at
