@@ -208,10 +208,14 @@ def cmd_usage(args: argparse.Namespace) -> int:
 def cmd_fake_upstream(args: argparse.Namespace) -> int:
     from ..tools import fake_upstream
 
-    fake_upstream.run(port=args.port, cap=args.cap, chunks=args.chunks, delay_ms=args.delay_ms, lag_ms=args.lag_ms,
-                      key_limit=args.key_limit, window_requests=args.window_requests,
-                      window_seconds=args.window_seconds, unified=args.unified, websocket=args.websocket,
-                      ws_refuse_429=args.ws_refuse_429)
+    try:
+        fake_upstream.run(port=args.port, cap=args.cap, chunks=args.chunks, delay_ms=args.delay_ms,
+                          lag_ms=args.lag_ms, key_limit=args.key_limit, window_requests=args.window_requests,
+                          window_seconds=args.window_seconds, unified=args.unified, websocket=args.websocket,
+                          ws_refuse_429=args.ws_refuse_429, itpm=args.itpm, otpm=args.otpm, tpm=args.tpm,
+                          rpm=args.rpm)
+    except ValueError as exc:
+        raise CliError(f"fake-upstream: {exc}") from None
     return 0
 
 

@@ -15,7 +15,8 @@ arrival order.
 The package's parts, each documenting what it serves: ``knobs`` (the ``x-fake-*`` request headers
 that inject faults, and their table), ``dialects`` (each API's answers: errors, bodies, stream
 events, the usage they state and the rate-limit headers of a window), ``admission`` (what is
-counted and capped: the cap, per-key limits and windows, the statistics), ``server`` (the HTTP
+counted and capped: the cap, per-key limits and windows, the statistics), ``windows`` (the
+providers' per-minute token and request windows, and Anthropic's prompt cache), ``server`` (the HTTP
 routes), ``websocket`` (the Responses API over WebSocket, with its own knobs) and ``cli`` (the
 ``fake-upstream`` command).
 """

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``fake-upstream`` flags.
 
     Dests: port, cap, chunks, delay_ms, lag_ms, key_limit, window_requests, window_seconds, unified,
-    websocket, ws_refuse_429.
+    websocket, ws_refuse_429, itpm, otpm, tpm, rpm.
     """
     add = parser.add_argument
     add("--port", type=_port, default=DEFAULT_PORT, help="port on 127.0.0.1 (default 9100)")
@@ -52,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--window-requests", type=_positive_int, default=None,
         help="requests admitted per API key per window, announced in rate-limit headers (default: no window)")
     add("--window-seconds", type=_window_length, default=60.0, help="length of a key's request window (default 60)")
+    add("--itpm", type=_positive_int, default=None, metavar="N",
+        help="Anthropic input tokens per minute, per API key and model; cache reads are free (default: none)")
+    add("--otpm", type=_positive_int, default=None, metavar="N",
+        help="Anthropic output tokens per minute, per API key and model (default: none)")
+    add("--tpm", type=_positive_int, default=None, metavar="N",
+        help="OpenAI tokens per minute, per API key and model (default: none)")
+    add("--rpm", type=_positive_int, default=None, metavar="N",
+        help="requests per minute, per API key and model, on every route (default: none)")
     add("--unified", action="store_true",
         help="Anthropic answers also carry the unified rate-limit headers (default: off)")
     add("--no-websocket", dest="websocket", action="store_false",
@@ -83,6 +91,9 @@ async def _serve_until_signalled(fake: FakeUpstream, port: int) -> None:
         details.append(f"key_limit={fake.key_limit}")
     if fake.window_requests is not None:
         details.append(f"window={fake.window_requests}/{fake.window_seconds:g}s")
+    for name in ("itpm", "otpm", "tpm", "rpm"):
+        if getattr(fake, name) is not None:
+            details.append(f"{name}={getattr(fake, name)}")
     if fake.unified:
         details.append("unified")
     if not fake.websocket:
@@ -111,11 +122,18 @@ def run(
     unified: bool = False,
     websocket: bool = True,
     ws_refuse_429: bool = False,
+    itpm: int | None = None,
+    otpm: int | None = None,
+    tpm: int | None = None,
+    rpm: int | None = None,
 ) -> None:
-    """Serve a fake upstream on 127.0.0.1 until SIGINT or SIGTERM (the ``fake-upstream`` command)."""
+    """Serve a fake upstream on 127.0.0.1 until SIGINT or SIGTERM (the ``fake-upstream`` command).
+
+    Raises ValueError, naming the rule, for options that cannot go together.
+    """
     fake = FakeUpstream(
         cap=cap, chunks=chunks, delay_ms=delay_ms, lag_ms=lag_ms, key_limit=key_limit,
         window_requests=window_requests, window_seconds=window_seconds, unified=unified,
-        websocket=websocket, ws_refuse_429=ws_refuse_429,
+        websocket=websocket, ws_refuse_429=ws_refuse_429, itpm=itpm, otpm=otpm, tpm=tpm, rpm=rpm,
     )
     asyncio.run(_serve_until_signalled(fake, port))

@@ -54,6 +54,26 @@ was counted:
 ``anthropic-ratelimit-unified-reset``       with ``unified``: the reset, in
                                             epoch seconds rounded up
 ==========================================  ====================================
+
+With the per-minute windows (``windows``), every model answer (200 or 429)
+announces instead each window that holds its route, as it stands once this
+request was charged: OpenAI's ``x-ratelimit-{limit,remaining,reset}-tokens``
+(``tokens_per_minute``) and ``-requests``, the reset the wait till the bucket
+is full in the duration form above; Anthropic's ``anthropic-ratelimit-
+{input-tokens,output-tokens,requests}-{limit,remaining,reset}``, token
+``-remaining`` rounded to the nearest thousand (halves up), the reset the
+instant the bucket is full (RFC 3339), and ``anthropic-ratelimit-tokens-*``
+repeating the token window with the least remaining. A window that refuses a
+request answers 429 with Retry-After and retry-after-ms (the wait till it has
+room) and the provider's body: OpenAI ``{"error": {"message": "Rate limit
+reached for MODEL in organization org-fake on tokens per min (TPM): Limit L,
+Used U, Requested R. Please try again in 1.2s. Visit ...", "type": "tokens",
+"param": null, "code": "rate_limit_exceeded"}}`` (``requests per min (RPM)``,
+type ``requests``; above the whole window, ``Request too large for ...``);
+Anthropic ``{"type": "error", "error": {"type": "rate_limit_error", "message":
+"This request would exceed the rate limit for your organization (ORG) of
+450,000 input tokens per minute. For details, ..."}}`` (``output tokens``,
+``requests``).
 """
 
 from __future__ import annotations
@@ -62,10 +82,12 @@ import json
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
+
+from .windows import INPUT, OUTPUT, REQUESTS, TOKENS, Reading, Refusal
 
 __all__ = [
     "MODEL",
@@ -77,6 +99,7 @@ __all__ = [
     "ResponsesDialect",
     "WindowState",
     "compact",
+    "nearest_thousand",
     "openai_duration",
     "retry_after_headers",
     "stream_error_message",
@@ -103,6 +126,11 @@ _ANTHROPIC_ERROR_TYPES = {
     529: "overloaded_error",
 }
 _OPENAI_ERROR_CODES = {429: "rate_limit_exceeded"}
+ORGANIZATION = "org-fake"
+ANTHROPIC_ORGANIZATION = "00000000-0000-4000-8000-00000000fa4e"
+_OPENAI_WINDOWS = {TOKENS: ("tokens", "TPM"), REQUESTS: ("requests", "RPM")}
+_ANTHROPIC_WINDOWS = {INPUT: ("input-tokens", "input tokens"), OUTPUT: ("output-tokens", "output tokens"),
+                      REQUESTS: ("requests", "requests")}
 _RATE_LIMIT_MESSAGE = (
     "Rate limit reached for gpt-4o in organization org-x on tokens per min (TPM): "
     "Limit 30000, Used 30000, Requested 1200. Please try again in 6.379s."
@@ -131,6 +159,11 @@ def stream_error_message(kind: str) -> str:
 def retry_after_headers(seconds: float) -> dict[str, str]:
     """Retry-After (whole seconds, rounded up, at least 1) and retry-after-ms (exact) for a wait."""
     return {"retry-after": str(max(1, math.ceil(seconds))), "retry-after-ms": str(round(seconds * 1000))}
+
+
+def nearest_thousand(count: int) -> int:
+    """``count`` rounded to the nearest thousand (halves up), as Anthropic rounds token ``-remaining``."""
+    return (count + 500) // 1000 * 1000
 
 
 def _piece(index: int) -> str:
@@ -206,8 +239,9 @@ class Reply:
     """What one answer is about: its id, model, size, the prompt's token estimate and the usage to report.
 
     ``usage_override`` holds the figures ``x-fake-usage`` set; the others are
-    ``prompt_tokens`` (input), ``chunks`` (output) and 0. ``usage_deltas`` is
-    the number of Anthropic ``message_delta`` events.
+    ``prompt_tokens`` (input), ``cached_tokens`` and ``cache_write_tokens``
+    (the prompt cache's, with windows), ``chunks`` (output) and 0.
+    ``usage_deltas`` is the number of Anthropic ``message_delta`` events.
     """
 
     id: str
@@ -219,6 +253,8 @@ class Reply:
     include_usage: bool
     usage_override: Mapping[str, int] = field(default_factory=dict)
     usage_deltas: int = 1
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -226,14 +262,22 @@ class Reply:
 
     @property
     def usage(self) -> _Usage:
-        figures = {"input": self.prompt_tokens, "cached": 0, "cache_write": 0, "output": self.chunks, "reasoning": 0}
+        figures = {"input": self.prompt_tokens, "cached": self.cached_tokens, "cache_write": self.cache_write_tokens,
+                   "output": self.chunks, "reasoning": 0}
         return _Usage(**(figures | dict(self.usage_override)))
 
 
 class Dialect(ABC):
-    """One API's wire shapes: errors, full answers and stream events."""
+    """One API's wire shapes: errors, full answers and stream events.
+
+    ``windows`` are the windows (``windows``) that hold its route, ``caches_prompts`` whether it
+    simulates Anthropic's prompt cache, ``continuable`` whether a later request may continue its answers.
+    """
 
     id_prefix = "chatcmpl-"
+    windows: tuple[str, ...] = (TOKENS, REQUESTS)
+    caches_prompts = False
+    continuable = False
 
     def error_type(self, status: int) -> str:
         return _OPENAI_ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
@@ -286,6 +330,29 @@ class Dialect(ABC):
             "x-ratelimit-remaining-tokens": str(window.tokens_remaining),
             "x-ratelimit-reset-tokens": reset,
         }
+
+    def token_window_headers(self, readings: Sequence[Reading]) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{tokens,requests}`` for the windows read."""
+        headers: dict[str, str] = {}
+        for reading in readings:
+            suffix = _OPENAI_WINDOWS[reading.window][0]
+            headers[f"x-ratelimit-limit-{suffix}"] = str(reading.limit)
+            headers[f"x-ratelimit-remaining-{suffix}"] = str(reading.remaining)
+            headers[f"x-ratelimit-reset-{suffix}"] = openai_duration(reading.reset_in)
+        return headers
+
+    def window_error_body(self, refusal: Refusal, model: str) -> dict[str, Any]:
+        """OpenAI's 429 for a window: ``type`` tokens or requests, ``code`` rate_limit_exceeded."""
+        kind, short = _OPENAI_WINDOWS[refusal.window]
+        where = f"for {model} in organization {ORGANIZATION} on {kind} per min ({short})"
+        if refusal.oversize:
+            message = (f"Request too large {where}: Limit {refusal.limit}, Requested {refusal.requested}. "
+                       "The input or output tokens must be reduced in order to run successfully.")
+        else:
+            message = (f"Rate limit reached {where}: Limit {refusal.limit}, Used {refusal.used}, "
+                       f"Requested {refusal.requested}. Please try again in {openai_duration(refusal.wait)}.")
+        message += " Visit https://platform.openai.com/account/rate-limits to learn more."
+        return {"error": {"message": message, "type": kind, "param": None, "code": "rate_limit_exceeded"}}
 
 
 class ChatDialect(Dialect):
@@ -353,6 +420,8 @@ class CompletionDialect(Dialect):
 
 class MessagesDialect(Dialect):
     id_prefix = "msg_"
+    windows = (INPUT, OUTPUT, REQUESTS)
+    caches_prompts = True
 
     def error_type(self, status: int) -> str:
         return _ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
@@ -410,6 +479,41 @@ class MessagesDialect(Dialect):
             headers["anthropic-ratelimit-unified-reset"] = str(math.ceil(resets_at))
         return headers
 
+    def token_window_headers(self, readings: Sequence[Reading]) -> dict[str, str]:
+        """``anthropic-ratelimit-{input-tokens,output-tokens,requests}-{limit,remaining,reset}``, token counts
+        remaining rounded to the nearest thousand, and ``anthropic-ratelimit-tokens-*`` repeating the token
+        window with the least remaining."""
+        headers: dict[str, str] = {}
+        now = time.time()
+        tightest: tuple[int, int, str] | None = None
+        for reading in readings:
+            name = _ANTHROPIC_WINDOWS[reading.window][0]
+            remaining = reading.remaining if reading.window == REQUESTS else nearest_thousand(reading.remaining)
+            reset = _rfc3339(now + reading.reset_in)
+            headers[f"anthropic-ratelimit-{name}-limit"] = str(reading.limit)
+            headers[f"anthropic-ratelimit-{name}-remaining"] = str(remaining)
+            headers[f"anthropic-ratelimit-{name}-reset"] = reset
+            if reading.window != REQUESTS and (tightest is None or (remaining, reading.limit) < tightest[:2]):
+                tightest = (remaining, reading.limit, reset)
+        if tightest is not None:
+            remaining, limit, reset = tightest
+            headers |= {"anthropic-ratelimit-tokens-limit": str(limit),
+                        "anthropic-ratelimit-tokens-remaining": str(remaining),
+                        "anthropic-ratelimit-tokens-reset": reset}
+        return headers
+
+    def window_error_body(self, refusal: Refusal, model: str) -> dict[str, Any]:
+        """Anthropic's 429 for a window, in its words: type rate_limit_error, the limit with thousands commas."""
+        what = _ANTHROPIC_WINDOWS[refusal.window][1]
+        message = (
+            f"This request would exceed the rate limit for your organization ({ANTHROPIC_ORGANIZATION}) of "
+            f"{refusal.limit:,} {what} per minute. For details, refer to: https://docs.claude.com/en/api/rate-limits. "
+            "You can see the response headers for current usage. Please reduce the prompt length or the maximum "
+            "tokens requested, or try again later. You may also contact sales at "
+            "https://www.anthropic.com/contact-sales to discuss your options for a rate limit increase."
+        )
+        return self.error_body(429, message)
+
     @staticmethod
     def _message(reply: Reply, content: list[dict[str, Any]], stop: str | None, out: int) -> dict[str, Any]:
         usage = reply.usage
@@ -440,6 +544,7 @@ class ResponsesDialect(Dialect):
     """
 
     id_prefix = "resp_"
+    continuable = True
     _OPENED = 4
 
     def full_body(self, reply: Reply) -> dict[str, Any]:

@@ -130,21 +130,25 @@ class FakeUpstream(Admission):
         self._record(request.headers, body, key, request.headers.get("x-fake-tag"))
         try:
             knobs = Knobs.parse(request.headers, self)
-            reply = self._reply(dialect, body, size, knobs)
+            counted = self._count(dialect, body, key)
+            reply = self._reply(dialect, body, size, knobs, counted)
             reply.usage.check()
         except ValueError as exc:
             return web.json_response(dialect.error_body(400, str(exc)), status=400)
         window = self._window(key)
-        refusal = self._refusal(key, window)
+        plan = self._plan(dialect, body, key, reply, counted)
+        refusal = self._refusal(key, window, plan)
         if refusal is not None:
-            message, wait = refusal
-            return self._error(dialect, 429, message, key=key, retry_after=wait,
-                               headers=self._headers(dialect, window, knobs))
-        self._admit(key, window)
-        headers = self._headers(dialect, window, knobs)
+            error = None if refusal.window is None else dialect.window_error_body(refusal.window, reply.model)
+            return self._error(dialect, 429, refusal.message, key=key, retry_after=refusal.wait,
+                               headers=self._headers(dialect, window, knobs, plan), body=error)
+        self._admit(key, window, plan)
+        headers = self._headers(dialect, window, knobs, plan)
         try:
             return await self._answer(request, dialect, knobs, reply, key, headers)
         finally:
+            if knobs.status is None:
+                self._settle(dialect, plan, reply)
             self._schedule_release(key)
 
     async def _answer(

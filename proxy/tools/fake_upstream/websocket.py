@@ -16,7 +16,10 @@ after which the socket stays open::
      "headers": {"retry-after": "1", "retry-after-ms": "1000"}}
 
 A ``response.create`` over the cap, ``key_limit`` or window gets that 429 (the
-wait as the HTTP 429 states it; ``headers`` only on 429s); a frame that is no
+wait as the HTTP 429 states it; ``headers`` only on 429s). Each frame is charged
+to the per-minute windows as a POST is (a warm-up: one request, no tokens); one
+they refuse gets the 429 frame with OpenAI's window ``error`` (``dialects``) and,
+in ``headers``, the windows' ``x-ratelimit-*`` beside the waits; a frame that is no
 JSON object, or bad knobs, a 400 (type and code ``invalid_request_error``).
 Binary frames and frames of any other type (``response.cancel``) are ignored.
 A client that closes the socket, or vanishes, mid-response frees its slot at
@@ -59,7 +62,7 @@ from typing import Any
 
 from aiohttp import WSCloseCode, WSMsgType, hdrs, web
 
-from .admission import Admission, key_of
+from .admission import Admission, TurnedAway, key_of
 from .dialects import (
     Reply,
     ResponsesDialect,
@@ -197,24 +200,38 @@ class ResponsesSocket:
         warmup = body.get("generate") is False
         try:
             knobs = SocketKnobs.parse(socket_knob_headers(self.headers, frame_knobs), fake)
-            reply = fake._reply(self.dialect, body, size, knobs)
+            counted = fake._count(self.dialect, body, key)
+            reply = fake._reply(self.dialect, body, size, knobs, counted)
             if not warmup:  # a warm-up reports no usage, whatever the knob says
                 reply.usage.check()
         except (TypeError, ValueError) as exc:
             await self._send_error(400, str(exc))
             return None
         window = fake._window(key)
-        refusal = fake._refusal(key, window)
+        plan = fake._plan(self.dialect, body, key, reply, counted, warmup=warmup)
+        refusal = fake._refusal(key, window, plan)
         if refusal is not None:
-            message, wait = refusal
             fake._count_rate_limited(key)
-            await self._send_error(429, f"{message}. Please try again in {openai_duration(wait)}.", retry_after=wait)
+            await self._refuse(refusal, reply, fake._headers(self.dialect, window, knobs, plan))
             return None
-        fake._admit(key, window)
+        fake._admit(key, window, plan)
         try:
             return await self._answer(knobs, reply, warmup)
         finally:
+            if knobs.status is None and not warmup:
+                fake._settle(self.dialect, plan, reply)
             fake._schedule_release(key)
+
+    async def _refuse(self, refusal: TurnedAway, reply: Reply, headers: dict[str, str]) -> None:
+        """A 429 frame: a window's in OpenAI's words with its rate-limit headers, else the cap's."""
+        if refusal.window is None:
+            message = f"{refusal.message}. Please try again in {openai_duration(refusal.wait)}."
+            await self._send_error(429, message, retry_after=refusal.wait)
+            return
+        error = self.dialect.window_error_body(refusal.window, reply.model)["error"]
+        frame = {"type": "error", "status": 429, "error": error,
+                 "headers": headers | retry_after_headers(refusal.wait)}
+        await self._send(frame)
 
     async def _answer(self, knobs: SocketKnobs, reply: Reply, warmup: bool) -> Cut | None:
         if knobs.stall_ms and not warmup:
