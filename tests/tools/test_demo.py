@@ -16,6 +16,7 @@ from proxy.tools.demo.view import LiveView, Snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 FLEET = ["--agents", "10", "--cap", "3", "--duration", "3"]
+WINDOWED = ["--agents", "8", "--cap", "3", "--duration", "3", "--windows", "3000"]
 
 
 def _field(summary: str, label: str) -> str:
@@ -26,13 +27,13 @@ def _field(summary: str, label: str) -> str:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, subprocess.CompletedProcess[str]]:
-    """Both modes at once, as subprocesses (stdout is a pipe: the non-TTY progress lines)."""
-    argv = [sys.executable, "-m", "proxy", "demo", *FLEET]
-    procs = {
-        "proxy": subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-        "direct": subprocess.Popen([*argv, "--no-proxy"], cwd=REPO, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True),
-    }
+    """Both modes, with and without a token window, at once, as subprocesses (stdout is a pipe: the non-TTY
+    progress lines)."""
+    demo = [sys.executable, "-m", "proxy", "demo"]
+    argvs = {"proxy": [*demo, *FLEET], "direct": [*demo, *FLEET, "--no-proxy"],
+             "windows": [*demo, *WINDOWED], "windows-direct": [*demo, *WINDOWED, "--no-proxy"]}
+    procs = {name: subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, argv in argvs.items()}
     done = {}
     try:
         for name, proc in procs.items():
@@ -80,6 +81,37 @@ def test_without_the_proxy_the_same_fleet_gets_429s(runs: dict[str, subprocess.C
     assert int(_field(out, "requests completed")) > 0
 
 
+def test_with_a_token_window_the_fleet_is_held_not_refused(
+    runs: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    run = runs["windows"]
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "3000 tokens per minute (OpenAI TPM), held by the proxy" in out
+    assert _field(out, "429s the upstream sent") == "0"
+    assert _field(out, "window 429s upstream") == "0"
+    assert _field(out, "429s the agents saw") == "0"
+    assert _field(out, "errors") == "0"
+    assert int(_field(out, "requests completed")) > 0
+    # The window (a minute's worth: ~6 requests of ~500 tokens) is spent in the first second; the rest is held.
+    held = re.match(r"(\d+) \(abandoned when the demo ended, not refused\)", _field(out, "still held at the end"))
+    waited = re.match(r"(\d+) of (\d+)", _field(out, "requests that waited"))
+    assert held and waited, out
+    assert int(held.group(1)) + int(waited.group(1)) > 0, out
+    assert "limit at the end: 3 (configured 3)" in out  # a window is not a reason to lower the slots
+
+
+def test_with_a_token_window_and_no_proxy_the_fleet_is_refused(
+    runs: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
+    run = runs["windows-direct"]
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    assert "enforced by the upstream only" in out
+    assert int(_field(out, "window 429s upstream")) > 0
+    assert int(_field(out, "429s the agents saw")) > 0
+
+
 def test_a_pipe_gets_progress_lines_not_terminal_redraws(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     for run in runs.values():
         assert "\x1b[" not in run.stdout
@@ -113,7 +145,29 @@ def test_the_terminal_view_shows_each_provider_and_the_queue_mix() -> None:
     assert written.endswith("\x1b[?25h")  # the cursor comes back
 
 
-@pytest.mark.parametrize("flag,value", [("--agents", "0"), ("--cap", "-1"), ("--duration", "0"), ("--duration", "x")])
+def test_the_terminal_view_shows_each_window_with_what_it_holds() -> None:
+    options = DemoOptions(duration=10, agents=4, cap=2, windows=30000)
+    view = LiveView(io.StringIO(), options, tty=True)
+    window = {"group": "fake-model", "window": "tokens_per_minute", "limit": 30000, "available": 7500.4,
+              "held": 3, "hits": 0}
+    provider = {"provider": "openai", "limit": 2, "configured_limit": 2, "in_flight": 2, "queued": 3,
+                "paused": False, "notice": None, "backoffs": 0, "queue_mix": (0, 0, 3), "windows": [window]}
+    upstream = {"cap": 2, "active": 2, "max_concurrency": 2, "rate_limited": 0,
+                "windows": {"tokens_per_minute": {"limit": 30000, "rejected": 0, "buckets": []}}}
+    snap = Snapshot(elapsed=5.0, draining=False, done=False, providers=[provider], upstream=upstream,
+                    completed=7, agent_429s=0, errors=0, in_flight=5)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(view.frame(snap)))
+    assert "30000 tokens/min" in plain
+    bar = re.search(r"tokens_per_minute \[(\S+)\] 7,500/30,000 free\s+holding 3\s+hits 0", plain)
+    assert bar, plain
+    assert bar.group(1).count(view.glyphs["full"]) == 8  # a quarter of the bar: a quarter of the window free
+    assert "tokens_per_minute 429s 0" in plain
+    line = LiveView(io.StringIO(), options, tty=False).line(snap)
+    assert "tokens_per_minute 7500/30000 free holding 3" in line
+
+
+@pytest.mark.parametrize("flag,value", [("--agents", "0"), ("--cap", "-1"), ("--duration", "0"), ("--duration", "x"),
+                                        ("--windows", "0"), ("--windows", "lots")])
 def test_bad_flags_are_refused_with_the_rule(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["demo", flag, value])
@@ -124,3 +178,13 @@ def test_bad_flags_are_refused_with_the_rule(flag: str, value: str, capsys: pyte
 def test_options_validate_on_construction() -> None:
     with pytest.raises(ValueError, match="agents must be 1-500"):
         DemoOptions(agents=0)
+    with pytest.raises(ValueError, match="windows must be 1-10000000 tokens per minute"):
+        DemoOptions(windows=0)
+
+
+def test_windows_without_a_value_takes_the_default() -> None:
+    from proxy.tools.demo import DEFAULT_WINDOW
+
+    assert build_parser().parse_args(["demo", "--windows"]).windows == DEFAULT_WINDOW
+    assert build_parser().parse_args(["demo", "--windows", "5000"]).windows == 5000
+    assert build_parser().parse_args(["demo"]).windows is None

@@ -22,6 +22,14 @@ highest concurrency against its cap, and queue waits (``X-Slotproxy-Queue-Ms``)
 by priority class. ``--no-proxy`` points the same fleet straight at the fake:
 agents then get 429s and back off as the SDKs do (honouring ``retry-after-ms``).
 
+``--windows [N]`` adds a per-minute token window: the fake enforces OpenAI's
+tokens-per-minute bucket of N tokens (``fake-upstream --tpm N``), the proxy has
+it configured (``windows: {tokens_per_minute: N}``) and holds requests until the
+window has room, and each request carries ~500 tokens of context. The window
+starts full (a minute's worth), so the fleet runs at full speed until it has
+spent it, then is held to the refill. When the demo ends, requests still held
+are abandoned (they would wait for the window), not drained.
+
 The agents are in ``fleet``, the live view and the summary in ``view``; this module runs them.
 """
 
@@ -40,7 +48,7 @@ from ...config import parse_config
 from ...http.runtime import ProxyState
 from ...server.app import start_server
 from ..fake_upstream import FakeUpstream, start_fake_upstream
-from .fleet import PROVIDER, REQUEST_TIMEOUT, DemoOptions, Fleet
+from .fleet import MAX_WINDOW, PROVIDER, REQUEST_TIMEOUT, DemoOptions, Fleet
 from .view import LiveView, Snapshot, queue_mix, summary
 
 __all__ = ["DemoOptions", "add_arguments", "main", "run_demo"]
@@ -49,8 +57,12 @@ HOST = "127.0.0.1"
 DRAIN_TIMEOUT = 10.0  # after the deadline, how long requests already sent may take to finish
 
 
-def proxy_yaml(upstream_port: int, cap: int) -> str:
-    return (
+DEFAULT_WINDOW = 30_000  # tokens per minute: about a request a second once the first minute's worth is spent
+WINDOW_DRAIN = 1.0  # with a window, how long the answers streaming at the deadline get; held ones are abandoned
+
+
+def proxy_yaml(upstream_port: int, cap: int, windows: int | None = None) -> str:
+    text = (
         "state: {path: null}\n"
         "ledger: {path: null}\n"
         "providers:\n"
@@ -58,17 +70,28 @@ def proxy_yaml(upstream_port: int, cap: int) -> str:
         f"    upstream: http://{HOST}:{upstream_port}/v1\n"
         f"    limit: {cap}\n"
     )
+    if windows is not None:
+        text += f"    windows: {{tokens_per_minute: {windows}}}\n"
+    return text
 
 
 class _Demo:
     def __init__(self, options: DemoOptions, out: TextIO, tty: bool) -> None:
         self.options = options
         self.view = LiveView(out, options, tty)
-        self.fake = FakeUpstream(cap=options.cap, chunks=options.chunks, delay_ms=options.delay_ms)
+        self.fake = FakeUpstream(cap=options.cap, chunks=options.chunks, delay_ms=options.delay_ms,
+                                 tpm=options.windows)
         self.state: ProxyState | None = None
         self.fleet: Fleet | None = None
         self.t0 = 0.0
         self.draining = False
+        self.held_at_end = 0
+
+    def _queued(self) -> int:
+        """The requests the proxy holds now (queued for a slot or a window)."""
+        if self.state is None:
+            return 0
+        return sum(status.to_dict()["queued"] for status in self.state.backend.statistics())
 
     def snapshot(self, *, done: bool = False) -> Snapshot:
         now_ms = int(time.time() * 1000)
@@ -91,6 +114,7 @@ class _Demo:
             agent_429s=tally.agent_429s,
             errors=tally.errors,
             in_flight=tally.in_flight,
+            held_at_end=self.held_at_end,
         )
 
     async def _render(self) -> None:
@@ -107,7 +131,8 @@ class _Demo:
         proxy_runner = None
         try:
             if self.options.use_proxy:
-                self.state = ProxyState(parse_config(proxy_yaml(fake_port, self.options.cap)))
+                config = parse_config(proxy_yaml(fake_port, self.options.cap, self.options.windows))
+                self.state = ProxyState(config)
                 try:
                     proxy_runner, proxy_port = await start_server(self.state, HOST, 0)
                 except OSError as exc:
@@ -132,10 +157,13 @@ class _Demo:
             renderer = asyncio.create_task(self._render())
             try:
                 await asyncio.sleep(self.options.duration)
-                # Over: no new requests; the ones already sent (queued or streaming) finish.
+                # Over: no new requests; the ones already sent (queued or streaming) finish. With a window,
+                # the ones it holds would wait for its refill: they are abandoned once the streams are done.
                 self.draining = True
                 fleet.stop.set()
-                _, pending = await asyncio.wait(tasks, timeout=DRAIN_TIMEOUT)
+                self.held_at_end = self._queued()
+                drain = DRAIN_TIMEOUT if self.options.windows is None else WINDOW_DRAIN
+                _, pending = await asyncio.wait(tasks, timeout=drain)
                 for task in pending:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
@@ -170,7 +198,7 @@ def _number(kind: type[int | float], low: float, high: float, what: str) -> Call
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``demo`` flags (dests: duration, agents, cap, no_proxy)."""
+    """Add the ``demo`` flags (dests: duration, agents, cap, no_proxy, windows)."""
     defaults = DemoOptions()
     add = parser.add_argument
     add("--duration", type=_number(float, 0.1, 600, "seconds, 0.1-600"), default=defaults.duration,
@@ -181,6 +209,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the fake upstream's concurrency cap, and the proxy's limit (default {defaults.cap})")
     add("--no-proxy", action="store_true",
         help="send the same fleet straight to the fake upstream, to compare (default: through the proxy)")
+    add("--windows", nargs="?", const=DEFAULT_WINDOW, default=None, metavar="TPM",
+        type=_number(int, 1, MAX_WINDOW, f"tokens per minute, 1-{MAX_WINDOW}"),
+        help=f"the fake also enforces a tokens-per-minute window (default {DEFAULT_WINDOW} when no TPM is "
+             "given) and the proxy holds requests until it has room; each request carries ~500 tokens "
+             "(default: no window)")
 
 
 def _bind_failed(exc: OSError) -> Exception:
@@ -191,7 +224,8 @@ def _bind_failed(exc: OSError) -> Exception:
 
 
 def main(args: argparse.Namespace) -> int:
-    options = DemoOptions(duration=args.duration, agents=args.agents, cap=args.cap, use_proxy=not args.no_proxy)
+    options = DemoOptions(duration=args.duration, agents=args.agents, cap=args.cap, use_proxy=not args.no_proxy,
+                          windows=args.windows)
     text = asyncio.run(run_demo(options))
     print(text, flush=True)
     return 0

@@ -33,6 +33,9 @@ THINK = (0.05, 0.4)  # seconds an agent "runs tools" between two requests
 TURNS_PER_PROMPT = (2, 6)
 REQUEST_TIMEOUT = 60.0
 BACKOFF_CAP = 2.0  # the longest an agent sleeps after one 429 (seconds)
+MAX_WINDOW = 10_000_000
+WINDOW_PROMPT_BYTES = 2000  # with a token window, each request carries this much context (~500 tokens)
+WINDOW_MAX_OUTPUT = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +47,8 @@ class DemoOptions:
     chunks: int = CHUNKS
     delay_ms: float = DELAY_MS
     seed: int = 7
+    windows: int | None = None
+    """The fake's tokens-per-minute window (OpenAI's TPM), configured in the proxy; None: no window."""
 
     def __post_init__(self) -> None:
         if not 0 < self.duration <= 600:
@@ -52,7 +57,8 @@ class DemoOptions:
             raise ValueError(f"agents must be 1-500, got {self.agents!r}")
         if not 1 <= self.cap <= 1000:
             raise ValueError(f"cap must be 1-1000, got {self.cap!r}")
-
+        if self.windows is not None and not 1 <= self.windows <= MAX_WINDOW:
+            raise ValueError(f"windows must be 1-{MAX_WINDOW} tokens per minute, got {self.windows!r}")
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,14 @@ class Fleet:
             if not await self._pause(rng.uniform(*THINK)):
                 return
 
+    def _prompt(self, agent: Agent) -> str:
+        """A turn's prompt: with a token window, it carries context worth ~500 tokens, as an agent's does."""
+        ask = f"{agent.name}: next step of the plan"
+        if self.options.windows is None:
+            return ask
+        context = " ".join(f"line {n} of {agent.workspace}/main.py" for n in range(WINDOW_PROMPT_BYTES // 28))
+        return f"{context}\n{ask}"
+
     def _headers(self, agent: Agent, prompt_started: float) -> dict[str, str]:
         headers = {
             "Authorization": "Bearer sk-demo-not-a-real-key",
@@ -198,9 +212,12 @@ class Fleet:
         """One turn over the agent's WebSocket; False when the socket is gone."""
         turn = json.dumps({"turn_id": f"{agent.name}-{int(prompt_started * 1000)}",
                            "turn_started_at_unix_ms": int(prompt_started * 1000)})
-        frame = json.dumps({"type": "response.create", "model": "fake-model", "user": agent.name,
-                            "input": [{"role": "user", "content": f"{agent.name}: next step of the plan"}],
-                            "client_metadata": {"x-codex-turn-metadata": turn}})
+        create: dict[str, Any] = {"type": "response.create", "model": "fake-model", "user": agent.name,
+                                  "input": [{"role": "user", "content": self._prompt(agent)}],
+                                  "client_metadata": {"x-codex-turn-metadata": turn}}
+        if self.options.windows is not None:
+            create["max_output_tokens"] = WINDOW_MAX_OUTPUT
+        frame = json.dumps(create)
         old = time.time() - prompt_started >= OLD_PROMPT_AGE
         backoff = 0.0
         while True:
@@ -232,12 +249,14 @@ class Fleet:
     async def request(
         self, session: aiohttp.ClientSession, agent: Agent, prompt_started: float, rng: random.Random
     ) -> None:
-        body = {
+        body: dict[str, Any] = {
             "model": "fake-model",
             "stream": True,
             "user": agent.name,
-            "messages": [{"role": "user", "content": f"{agent.name}: next step of the plan"}],
+            "messages": [{"role": "user", "content": self._prompt(agent)}],
         }
+        if self.options.windows is not None:
+            body["max_tokens"] = WINDOW_MAX_OUTPUT
         headers = self._headers(agent, prompt_started)
         old = time.time() - prompt_started >= OLD_PROMPT_AGE
         backoff = 0.0

@@ -41,6 +41,8 @@ class Snapshot:
     agent_429s: int
     errors: int
     in_flight: int
+    held_at_end: int = 0
+    """Requests the proxy still held when the demo ended (abandoned: with a window, not drained)."""
 
 
 class Style:
@@ -115,6 +117,8 @@ class LiveView:
                 )
                 if p.get("notice"):
                     lines.append("  " + s("! " + p["notice"], "33"))
+                for w in p.get("windows") or []:
+                    lines.append("  " + self._window_bar(w))
         else:
             lines.append(s("  no proxy: the fleet talks straight to the upstream", "33"))
         up = snap.upstream
@@ -122,7 +126,7 @@ class LiveView:
         lines.append("")
         lines.append(
             f"  upstream  in-flight {up['active']}/{up['cap']}   max seen {up['max_concurrency']}   "
-            f"429s sent {s(str(sent), '31') if sent else s('0', '32')}"
+            f"429s sent {s(str(sent), '31') if sent else s('0', '32')}{_window_refusals(up)}"
         )
         seen = snap.agent_429s
         lines.append(
@@ -130,6 +134,15 @@ class LiveView:
             f"429s seen {s(str(seen), '31') if seen else s('0', '32')}   errors {snap.errors}"
         )
         return lines
+
+    def _window_bar(self, w: dict[str, Any]) -> str:
+        g = self.glyphs
+        limit = w.get("limit") or 0
+        available = max(0.0, float(w.get("available") or 0))
+        filled = round(min(1.0, available / limit) * BAR_WIDTH) if limit else 0
+        bar = self.style(g["full"] * filled, "36") + self.style(g["empty"] * (BAR_WIDTH - filled), "2")
+        return (f"{w.get('window', 'window')} [{bar}] {available:,.0f}/{limit:,} free   "
+                f"holding {w.get('held', 0)}   hits {w.get('hits', 0)}")
 
     def line(self, snap: Snapshot) -> str:
         head = f"[{min(snap.elapsed, self.options.duration):5.1f}s/{self.options.duration:g}s]"
@@ -140,17 +153,28 @@ class LiveView:
         parts = [
             f"{p['provider']}: limit {p['limit']}, in-flight {p['in_flight']}, queued {p['queued']}, "
             f"paused {'yes' if p['paused'] else 'no'}, 429s {p['backoffs']}"
+            + "".join(f", {w.get('window')} {max(0.0, float(w.get('available') or 0)):.0f}/{w.get('limit')} free "
+                      f"holding {w.get('held', 0)}" for w in p.get("windows") or [])
             for p in snap.providers
         ]
         up = snap.upstream
-        parts.append(f"upstream: in-flight {up['active']}/{up['cap']}, 429s sent {up['rate_limited']}")
+        parts.append(f"upstream: in-flight {up['active']}/{up['cap']}, 429s sent {up['rate_limited']}"
+                     f"{_window_refusals(up, ',')}")
         parts.append(f"agents: {snap.completed} done, 429s seen {snap.agent_429s}")
         return head + " " + " | ".join(parts)
 
 
 def describe(options: DemoOptions, arrow: str = "->") -> str:
-    path = f"slotproxy ({PROVIDER} limit {options.cap})" if options.use_proxy else "no proxy"
-    return f"{options.agents} agents {arrow} {path} {arrow} fake upstream (cap {options.cap})"
+    window = "" if options.windows is None else f", {options.windows} tokens/min"
+    held = "" if options.windows is None else ", holding the window"
+    path = f"slotproxy ({PROVIDER} limit {options.cap}{held})" if options.use_proxy else "no proxy"
+    return f"{options.agents} agents {arrow} {path} {arrow} fake upstream (cap {options.cap}{window})"
+
+
+def _window_refusals(upstream: dict[str, Any], sep: str = "  ") -> str:
+    """The upstream's 429s by token window (nothing without windows)."""
+    windows = upstream.get("windows") or {}
+    return "".join(f"{sep} {name} 429s {w['rejected']}" for name, w in windows.items())
 
 
 def queue_mix(queue: list[dict[str, Any]], now_ms: int) -> tuple[int, int, int]:
@@ -166,6 +190,26 @@ def _wait_rows(outcomes: list[Outcome], metric: Callable[[Outcome], int]) -> Ite
     yield "unstarred", [metric(o) for o in unstarred]
     yield "old prompts (unstarred)", [metric(o) for o in unstarred if o.old]
     yield "new prompts (unstarred)", [metric(o) for o in unstarred if not o.old]
+
+
+def _window_summary(options: DemoOptions, snap: Snapshot, tally: Tally) -> list[str]:
+    """With a window: its 429s upstream, who waited and for how long, and what was left held at the end."""
+    if options.windows is None:
+        return []
+    rejected = sum(w["rejected"] for w in (snap.upstream.get("windows") or {}).values())
+    lines = [f"  token window:              {options.windows} tokens per minute (OpenAI TPM), "
+             + ("held by the proxy" if options.use_proxy else "enforced by the upstream only"),
+             f"  window 429s upstream:      {rejected}"]
+    if options.use_proxy:
+        waits = [o.queue_ms for o in tally.outcomes if o.queue_ms > 0]
+        longest = f", longest {max(waits) / 1000:.1f}s" if waits else ""
+        lines += [f"  requests that waited:      {len(waits)} of {len(tally.outcomes)}{longest}",
+                  f"  still held at the end:     {snap.held_at_end} (abandoned when the demo ended, not refused)"]
+    else:
+        lost = [o.backoff_ms for o in tally.outcomes if o.backoff_ms > 0]
+        longest = f", longest {max(lost) / 1000:.1f}s" if lost else ""
+        lines.append(f"  requests that backed off:  {len(lost)} of {len(tally.outcomes)}{longest}")
+    return lines
 
 
 def summary(options: DemoOptions, snap: Snapshot, tally: Tally, wall: float) -> str:
@@ -184,6 +228,7 @@ def summary(options: DemoOptions, snap: Snapshot, tally: Tally, wall: float) -> 
         f"  errors:                    {snap.errors}",
     ]
     lines += [f"    {sample}" for sample in tally.error_samples]
+    lines += _window_summary(options, snap, tally)
     for p in snap.providers:
         lines.append(
             f"  {p['provider']} limit at the end: {p['limit']} (configured {p['configured_limit']}), "
@@ -206,8 +251,9 @@ def summary(options: DemoOptions, snap: Snapshot, tally: Tally, wall: float) -> 
             lines.append(f"    {label:<34}{len(values):>6}{mean:>10.0f}{_percentile(values, 0.95):>10.0f}")
         else:
             lines.append(f"    {label:<34}{0:>6}{'-':>10}{'-':>10}")
+    flag = "" if options.windows is None else f" --windows {options.windows}"
     if options.use_proxy:
-        lines.append("  Same fleet straight at the upstream, for comparison: slotproxy demo --no-proxy")
+        lines.append(f"  Same fleet straight at the upstream, for comparison: slotproxy demo{flag} --no-proxy")
     else:
-        lines.append("  The same fleet through slotproxy: slotproxy demo")
+        lines.append(f"  The same fleet through slotproxy: slotproxy demo{flag}")
     return "\n".join(lines)
