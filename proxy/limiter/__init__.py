@@ -21,11 +21,14 @@ from .policy import (
 from .provider import ProviderLimiter
 from .queue import Priority, Waiter, WaiterQueue
 from .status import HolderStatus, KeyStatus, ModelStatus, ProviderStatus, WaiterStatus
+from .window import WINDOW_NAMES, Bucket, WindowBook, WindowSettings
 
 __all__ = [
     "MAX_LIMIT",
     "QUEUE_LISTED",
+    "WINDOW_NAMES",
     "AdmissionGate",
+    "Bucket",
     "Budget",
     "Clock",
     "FakeClock",
@@ -46,6 +49,8 @@ __all__ = [
     "Waiter",
     "WaiterQueue",
     "WaiterStatus",
+    "WindowBook",
+    "WindowSettings",
     "auto_reduce_notice",
     "recovering_notice",
     "validate_limit",

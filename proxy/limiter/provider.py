@@ -12,6 +12,11 @@ pool. The queue is one priority order, kept as one heap per *class* of waiter
 a waiter whose cap is full never holds up a waiter of another class behind it.
 Each grant looks at the head of each class only, so it costs O(classes + log n).
 
+With token windows (``settings.windows``), a request also takes its cost from every window of its key and
+model group at the moment it takes its slots (``window.WindowBook``); its group joins its class, so a head
+held by a window never holds back another group, and a pool's key choice prefers a key whose windows have
+room. One clock timer wakes the queue when the earliest held head's room will have refilled.
+
 Its settings and the lease it grants are in ``lease``; what it reports, in ``status``.
 """
 
@@ -19,12 +24,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit
 from . import policy
-from .clock import Clock
+from .clock import Clock, Timer
 from .deadlines import Deadlines
 from .lease import AdmissionGate, Lease, LimiterSettings
 from .level import Budget, LimitLevel
@@ -41,6 +47,7 @@ from .status import (
     waiter_statuses,
 )
 from .watchdog import SlotWatchdog
+from .window import OTHER_GROUP, WindowBook, WindowId
 
 __all__ = ["ProviderLimiter"]
 
@@ -78,6 +85,11 @@ class ProviderLimiter:
         self._models: dict[str, LimitLevel] = {}
         self._patterns: tuple[str, ...] = ()
         self._build_levels(settings)
+        self._book: WindowBook | None = None if settings.windows is None else WindowBook(settings.windows)
+        self._window_wake: float | None = None
+        """When the earliest head held by a window will have room (set by ``_next_grant``)."""
+        self._window_timer: Timer | None = None
+        self._window_timer_at = math.inf
 
     def _build_levels(self, settings: LimiterSettings) -> None:
         """Key and model levels for these settings; a level that stays keeps its state (a changed YAML
@@ -105,29 +117,78 @@ class ProviderLimiter:
         return next(self._arrivals)
 
     def try_acquire(self, priority: Priority, seq: int | None = None, model: str | None = None,
-                    key: str | None = None) -> Lease | None:
+                    key: str | None = None, cost: Mapping[str, float] | None = None,
+                    group: str | None = None) -> Lease | None:
         """The fast path: a slot now, or None when the caller must queue.
 
         Nobody may overtake a waiter, so a non-empty queue always means None (``enqueue``
         then grants at once whoever may go, a request for a model with room among them).
-        ``key`` pins the slot to that key of the pool (ignored without a pool).
+        ``key`` pins the slot to that key of the pool (ignored without a pool). ``cost`` is what the
+        request takes from the windows of its model ``group`` (ignored when no window is held).
         """
         if self._waiting.count or not self._provider_room():
             return None
         pattern = policy.model_pattern(model, self._patterns) if self._patterns else None
         if pattern is not None and not self._models[pattern].has_room():
             return None
-        if self._pool:
+        if cost and self._book is not None:
+            group = group or OTHER_GROUP
+            key, wait = self._fit_windows(priority.conversation, key if self._pool else None, group, cost,
+                                          self._clock.time())
+            if wait > 0:
+                return None
+        elif self._pool:
             key = (key if self._pinned_room(key) else None) if key is not None \
                 else self._choose_key(priority.conversation)
             if key is None:
                 return None
         else:
             key = None
-        lease = self._grant(priority, self.next_arrival() if seq is None else seq, 0.0, pattern, key)
+        lease = self._grant(priority, self.next_arrival() if seq is None else seq, 0.0, pattern, key, cost, group)
         lease.model = model
         lease.starred = priority.starred or priority.workspace in self._starred
         return lease
+
+    def _fit_windows(self, conversation: str | None, pinned: str | None, group: str, cost: Mapping[str, float],
+                     now: float) -> tuple[str | None, float]:
+        """The key a request with this window cost may take now, and 0.0; else None and how long until the
+        earliest of its windows has room (inf: no key has a slot free to wait for).
+
+        Among a pool's keys with a slot free, only those whose windows have room are candidates."""
+        book = self._book
+        assert book is not None
+        if not self._pool:
+            return None, book.wait_for(None, group, cost, now)
+        if pinned is not None:
+            if not self._pinned_room(pinned):
+                return None, math.inf
+            return pinned, book.wait_for(pinned, group, cost, now)
+        candidates: list[tuple[str, int | None]] = []
+        wait = math.inf
+        for level in self._pool:
+            if not level.has_room():
+                continue
+            name = level.key.key or ""
+            key_wait = book.wait_for(name, group, cost, now)
+            if key_wait <= 0:
+                candidates.append((name, level.free_slots()))
+            elif key_wait < wait:
+                wait = key_wait
+        if candidates:
+            return policy.choose_key(candidates, self._sticky.get(conversation)), 0.0
+        return None, wait
+
+    def _hold(self, waiter: Waiter, now: float) -> None:
+        """A head its windows hold: note which, counting it once on each."""
+        book, cost, group = self._book, waiter.cost, waiter.group or OTHER_GROUP
+        assert book is not None and cost is not None
+        if not self._pool or waiter.key is not None:
+            held = book.blocked_by(waiter.key if self._pool else None, group, cost, now)
+        else:
+            held = [window for level in self._pool if level.has_room()
+                    for window in book.blocked_by(level.key.key or "", group, cost, now)]
+        book.count_held(window for window in held if window not in waiter.held_by)
+        waiter.held_by = tuple(held)
 
     def _pinned_room(self, key: str) -> bool:
         """Whether a waiter pinned to ``key`` may go: the key is in the pool and has a slot free."""
@@ -152,9 +213,11 @@ class ProviderLimiter:
         client_wait: float | None = None,
         model: str | None = None,
         key: str | None = None,
+        cost: Mapping[str, float] | None = None,
+        group: str | None = None,
     ) -> Waiter:
         """Queue a request; ``on_grant(lease)`` is called when its turn comes (on ``key`` when given, a key
-        of the pool).
+        of the pool, with ``cost`` taken from the windows of its model ``group``).
 
         ``on_reject(error)`` is called instead if it times out (QueueTimeout: after
         queue_timeout, or ``client_wait`` when that is shorter) or the queue is shed
@@ -186,6 +249,8 @@ class ProviderLimiter:
             pattern=pattern,
             key=key if self._pool else None,
             model=model,
+            cost=cost or None,
+            group=(group or OTHER_GROUP) if cost else None,
         )
         self._push(waiter)
         if limit is not None and limit > 0:
@@ -199,10 +264,11 @@ class ProviderLimiter:
         return waiter
 
     def _class_of(self, waiter: Waiter) -> WaiterClass:
-        if not self._settings.classed() and waiter.key is None:
+        group = waiter.group if waiter.cost is not None and self._book is not None else None
+        if not self._settings.classed() and waiter.key is None and group is None:
             return None
         return (waiter.pattern, waiter.priority.workspace if self._settings.max_share is not None else None,
-                waiter.key)
+                waiter.key, group)
 
     def _push(self, waiter: Waiter) -> None:
         self._waiting.push(waiter, self._class_of(waiter))
@@ -283,18 +349,21 @@ class ProviderLimiter:
         return total
 
     def _next_grant(self) -> tuple[Waiter, str | None] | None:
-        """The first waiter, in queue order over the class heads, that every level it needs has room for.
+        """The first waiter, in queue order over the class heads, that every level and window it needs has
+        room for.
 
         With ``max_share``, a waiter whose workspace holds its share is passed over while one of another
         workspace can go; when none can, it goes (the limit is never left idle).
         """
+        self._window_wake = None
         if not self._provider_room():
             return None
         if self._pool and not any(level.has_room() for level in self._pool):
             return None
         heads = self._waiting.heads()
         cap = policy.share_cap(self._settings.max_share, self._capacity())
-        over_share: Waiter | None = None
+        over_share: tuple[Waiter, str | None] | None = None
+        book = self._book
         for _, waiter in heads:
             pattern = waiter.pattern
             if pattern is not None:
@@ -303,23 +372,37 @@ class ProviderLimiter:
                     continue
             if waiter.key is not None and not self._pinned_room(waiter.key):
                 continue
+            key = waiter.key
+            if book is not None and waiter.cost is not None:
+                now = self._clock.time()
+                key, wait = self._fit_windows(waiter.priority.conversation, waiter.key, waiter.group or OTHER_GROUP,
+                                              waiter.cost, now)
+                if wait > 0:
+                    self._hold(waiter, now)
+                    if wait < math.inf and (self._window_wake is None or now + wait < self._window_wake):
+                        self._window_wake = now + wait
+                    continue
             if cap is not None and self._by_workspace.get(waiter.priority.workspace, 0) >= cap:
                 if over_share is None:
-                    over_share = waiter
+                    over_share = waiter, key
                 continue
             break
         else:
             if over_share is None:
                 return None
-            waiter = over_share
+            waiter, key = over_share
         if not self._pool:
             return waiter, None
-        return waiter, waiter.key or self._choose_key(waiter.priority.conversation)
+        return waiter, key or self._choose_key(waiter.priority.conversation)
 
     def _grant(self, priority: Priority, seq: int, queue_wait: float, pattern: str | None,
-               key: str | None) -> Lease:
+               key: str | None, cost: Mapping[str, float] | None = None, group: str | None = None) -> Lease:
         now = self._clock.time()
         lease = Lease(self, priority, seq, granted_at=now, queue_wait=queue_wait)
+        if cost and self._book is not None:
+            group = group or OTHER_GROUP
+            self._book.take(key, group, cost, now)
+            lease.cost, lease.group = cost, group
         self.level.take()
         levels: tuple[LimitLevel, ...] = ()
         if key is not None:
@@ -359,13 +442,29 @@ class ProviderLimiter:
                 on_grant = waiter.on_grant
                 waiter.forget_callbacks()
                 lease = self._grant(waiter.priority, waiter.seq, self._clock.time() - waiter.enqueued_at,
-                                    waiter.pattern, key)
+                                    waiter.pattern, key, waiter.cost, waiter.group)
                 lease.model, lease.starred = waiter.model, waiter.starred
                 if on_grant is not None:
                     on_grant(lease)
         finally:
             self._dispatching = False
             self._deadlines.settle(self._waiting.count)
+            if self._window_wake is not None and self._waiting.count:
+                self._wake_at(self._window_wake)
+
+    def _wake_at(self, when: float) -> None:
+        """One timer for the queue's window-held heads, at the earliest time one of them will have room (a
+        timer already set earlier stays: when it fires, the queue sets the next one)."""
+        if self._window_timer is not None and self._window_timer_at <= when:
+            return
+        if self._window_timer is not None:
+            self._window_timer.cancel()
+        self._window_timer_at = when
+        self._window_timer = self._clock.call_later(when - self._clock.time(), self._window_refilled)
+
+    def _window_refilled(self) -> None:
+        self._window_timer, self._window_timer_at = None, math.inf
+        self._dispatch()
 
     def dispatch(self) -> None:
         """Grant whoever may go now (after a usage poll answered, say)."""
@@ -410,6 +509,8 @@ class ProviderLimiter:
             del self._by_workspace[workspace]
         if self.gate is not None:
             self.gate.request_poll()
+        if lease.cost is not None and self._book is not None and lease.group is not None:
+            self._book.ended(lease.key, lease.group, lease.cost)
         free_now = self.level.give_back()
         for level in lease._levels:
             level.give_back()
@@ -437,6 +538,56 @@ class ProviderLimiter:
         level = self._level_for_key(key)
         if level is not None:
             level.report_budget(budget)
+
+    # ----- windows --------------------------------------------------------------------
+
+    def settle_windows(self, lease: Lease, actual: Mapping[str, float], rules: Mapping[str, str]) -> None:
+        """Reconcile the windows a request took from with the usage its answer reported (once per lease):
+        ``actual`` is what each window counted, ``rules`` how it is reconciled (``window.SETTLE_RULES``).
+        A window the answer reported nothing for keeps its estimate."""
+        book, cost, group = self._book, lease.cost, lease.group
+        if book is None or cost is None or group is None or lease.windows_settled:
+            return
+        lease.windows_settled = True
+        now = self._clock.time()
+        room = False
+        for window, charged in cost.items():
+            if window in actual and window in rules:
+                room = book.settle(lease.key, group, window, charged, actual[window], rules[window], now) or room
+        if room:
+            self._dispatch()
+
+    def report_window_hit(self, key: str | None, group: str | None, window: str, until: float) -> None:
+        """A 429 named this window: it is emptied until ``until``; the slots' limit is not touched."""
+        if self._book is not None:
+            self._book.hit(key, group or OTHER_GROUP, window, until, self._clock.time())
+
+    def report_window_limits(self, key: str | None, group: str | None, limits: Mapping[str, int]) -> None:
+        """The limits an answer's headers announced for the windows of (key, group) (with ``learn``)."""
+        book = self._book
+        if book is None:
+            return
+        now = self._clock.time()
+        changed = False
+        for window, limit in limits.items():
+            changed = book.learn(key, group or OTHER_GROUP, window, limit, now) or changed
+        if changed:
+            self._dispatch()
+
+    def report_window_remaining(self, key: str | None, group: str | None, remaining: Mapping[str, float],
+                                answered_at: float) -> None:
+        """What an answer at ``answered_at`` said was left: the room believed is never more than that, less
+        what was sent since."""
+        book = self._book
+        if book is None:
+            return
+        now = self._clock.time()
+        for window, left in remaining.items():
+            book.correct(key, group or OTHER_GROUP, window, left, now, answered_at)
+
+    def window_limits(self, key: str | None, group: str | None) -> dict[str, int]:
+        """The window limits in force for (key, group): which windows a request's cost must name."""
+        return {} if self._book is None else self._book.limits_for(key, group or OTHER_GROUP)
 
     def _level_for_key(self, key: str | None) -> LimitLevel | None:
         """A key's level; a key the config has dropped since the request was sent has none."""
@@ -479,7 +630,15 @@ class ProviderLimiter:
         """
         old, self._settings = self._settings, settings
         self._build_levels(settings)
-        if (old.classed(), old.max_share is None) != (settings.classed(), settings.max_share is None):
+        windows_changed = (old.windows is None) != (settings.windows is None)
+        if settings.windows is None:
+            self._book = None
+        elif self._book is None:
+            self._book = WindowBook(settings.windows)
+        elif settings.windows != old.windows:
+            self._book.apply(settings.windows, self._clock.time())
+        if windows_changed or (old.classed(), old.max_share is None) != (settings.classed(),
+                                                                         settings.max_share is None):
             self._reclassify()
         self.level.apply_settings(settings)
         self._active.set_timeout(settings.slot_timeout)
@@ -525,6 +684,7 @@ class ProviderLimiter:
                 counters[name] += count
         budgets = self._settings.budgets
         pool = set(self._pool)
+        windows = self._window_status(now)
         return ProviderStatus(
             provider=self.name,
             limit=level.limit,
@@ -540,9 +700,25 @@ class ProviderLimiter:
             queue=queue,
             counters=counters,
             usage=self.gate.status() if self.gate is not None else None,
-            keys=tuple(key_status(name, key, key in pool, budgets) for name, key in self._keys.items()),
+            keys=tuple(key_status(name, key, key in pool, budgets, None if windows is None else windows(name))
+                       for name, key in self._keys.items()),
             models=tuple(ModelStatus(pattern, cap.limit, cap.configured_limit, cap.in_flight)
                          for pattern, cap in self._models.items()),
             budget=budget_of(level) if budgets and not self._pool else None,
             holders=holder_statuses(itertools.islice(self._active, QUEUE_LISTED), now) if queue_detail else (),
+            windows=windows(None) if windows is not None and not self._pool else None,
         )
+
+    def _window_status(self, now: float) -> Callable[[str | None], tuple[dict[str, Any], ...]] | None:
+        """The windows of a key (None: the provider's own), as status shows them; None without windows."""
+        book = self._book
+        if book is None:
+            return None
+        holding: dict[WindowId, int] = {}
+        for head, waiting in self._waiting.held_heads():
+            for window in head.held_by:
+                holding[window] = holding.get(window, 0) + waiting
+
+        def windows(key: str | None) -> tuple[dict[str, Any], ...]:
+            return tuple(book.status(key, now=now, holding=holding))
+        return windows
