@@ -126,13 +126,13 @@ class Bucket:
         return sum(amount for at, amount in self._recent if at > since)
 
     def set_limit(self, limit: float, headroom: float, now: float) -> None:
-        """A new limit: the level keeps its fraction of the capacity (a debt stays as it is)."""
+        """A new limit: what was spent stays spent (the level moves by the change of capacity), never below
+        empty when the limit falls (a debt stays as it is) and never above the new capacity."""
         self._sync(now)
         capacity = _capacity(limit, headroom)
         if capacity == self.capacity:
             return
-        if self._level > 0:
-            self._level = self._level * capacity / self.capacity
+        self._level = max(self._level + capacity - self.capacity, min(self._level, 0.0))
         self.capacity = capacity
         self.rate = capacity / _REFILL_SECONDS
 
