@@ -20,6 +20,7 @@ from ..limiter import (
     ProviderStatus,
     SlotLease,
 )
+from ..limiter.windowed import ProviderWindows
 from ..logs import BackoffLog
 
 __all__ = ["MemoryBackend"]
@@ -130,36 +131,37 @@ class MemoryBackend:
         if limiter is not None:
             limiter.report_budget(budget, key)
 
-    def _reporting(self, provider: str) -> ProviderLimiter | None:
-        return self._limiters.get(provider) or self._retired.get(provider)
+    def _windows(self, provider: str) -> ProviderWindows | None:
+        limiter = self._limiters.get(provider) or self._retired.get(provider)
+        return None if limiter is None else limiter.windows
 
     def settle_windows(self, provider: str, lease: SlotLease, actual: Mapping[str, float],
                        rules: Mapping[str, str]) -> None:
-        limiter = self._reporting(provider)
-        if limiter is not None and isinstance(lease, Lease):
-            limiter.settle_windows(lease, actual, rules)
+        windows = self._windows(provider)
+        if windows is not None and isinstance(lease, Lease):
+            windows.settle_windows(lease, actual, rules)
 
     def report_window_hit(self, provider: str, key: str | None, group: str | None, window: str,
                           until: float) -> None:
-        limiter = self._reporting(provider)
-        if limiter is not None:
-            limiter.report_window_hit(key, group, window, until)
+        windows = self._windows(provider)
+        if windows is not None:
+            windows.report_window_hit(key, group, window, until)
 
     def report_window_limits(self, provider: str, key: str | None, group: str | None,
                              limits: Mapping[str, int]) -> None:
-        limiter = self._reporting(provider)
-        if limiter is not None:
-            limiter.report_window_limits(key, group, limits)
+        windows = self._windows(provider)
+        if windows is not None:
+            windows.report_window_limits(key, group, limits)
 
     def report_window_remaining(self, provider: str, key: str | None, group: str | None,
                                 remaining: Mapping[str, float], answered_at: float) -> None:
-        limiter = self._reporting(provider)
-        if limiter is not None:
-            limiter.report_window_remaining(key, group, remaining, answered_at)
+        windows = self._windows(provider)
+        if windows is not None:
+            windows.report_window_remaining(key, group, remaining, answered_at)
 
     def window_limits(self, provider: str, key: str | None, group: str | None) -> dict[str, int]:
-        limiter = self._reporting(provider)
-        return {} if limiter is None else limiter.window_limits(key, group)
+        windows = self._windows(provider)
+        return {} if windows is None else windows.window_limits(key, group)
 
     def set_limit(self, provider: str, limit: int | None) -> None:
         self.limiter(provider).set_limit(limit)

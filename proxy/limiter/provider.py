@@ -12,10 +12,8 @@ pool. The queue is one priority order, kept as one heap per *class* of waiter
 a waiter whose cap is full never holds up a waiter of another class behind it.
 Each grant looks at the head of each class only, so it costs O(classes + log n).
 
-With token windows (``settings.windows``), a request also takes its cost from every window of its key and
-model group at the moment it takes its slots (``window.WindowBook``); its group joins its class, so a head
-held by a window never holds back another group, and a pool's key choice prefers a key whose windows have
-room. One clock timer wakes the queue when the earliest held head's room will have refilled.
+With token windows, a request also takes its cost from every window of its key and model group at once
+(``windowed``); its group joins its class, so a head a window holds never holds back another group.
 
 Its settings and the lease it grants are in ``lease``; what it reports, in ``status``.
 """
@@ -24,13 +22,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit
 from . import policy
-from .clock import Clock, Timer
+from .clock import Clock
 from .deadlines import Deadlines
 from .lease import AdmissionGate, Lease, LimiterSettings
 from .level import Budget, LimitLevel
@@ -47,7 +44,8 @@ from .status import (
     waiter_statuses,
 )
 from .watchdog import SlotWatchdog
-from .window import OTHER_GROUP, WindowBook, WindowId
+from .window import OTHER_GROUP
+from .windowed import ProviderWindows
 
 __all__ = ["ProviderLimiter"]
 
@@ -85,11 +83,7 @@ class ProviderLimiter:
         self._models: dict[str, LimitLevel] = {}
         self._patterns: tuple[str, ...] = ()
         self._build_levels(settings)
-        self._book: WindowBook | None = None if settings.windows is None else WindowBook(settings.windows)
-        self._window_wake: float | None = None
-        """When the earliest head held by a window will have room (set by ``_next_grant``)."""
-        self._window_timer: Timer | None = None
-        self._window_timer_at = math.inf
+        self._windows = ProviderWindows.reloaded(None, settings.windows, clock, self._dispatch)
 
     def _build_levels(self, settings: LimiterSettings) -> None:
         """Key and model levels for these settings; a level that stays keeps its state (a changed YAML
@@ -131,9 +125,11 @@ class ProviderLimiter:
         pattern = policy.model_pattern(model, self._patterns) if self._patterns else None
         if pattern is not None and not self._models[pattern].has_room():
             return None
-        if cost and self._book is not None:
-            group = group or OTHER_GROUP
-            key, wait = self._fit_windows(priority.conversation, key if self._pool else None, group, cost,
+        if cost and self._windows is not None:
+            if self._pool and key is not None and not self._pinned_room(key):
+                return None
+            key, wait = self._windows.fit(self._pool, key if self._pool else None,
+                                          self._sticky.get(priority.conversation), group or OTHER_GROUP, cost,
                                           self._clock.time())
             if wait > 0:
                 return None
@@ -148,47 +144,6 @@ class ProviderLimiter:
         lease.model = model
         lease.starred = priority.starred or priority.workspace in self._starred
         return lease
-
-    def _fit_windows(self, conversation: str | None, pinned: str | None, group: str, cost: Mapping[str, float],
-                     now: float) -> tuple[str | None, float]:
-        """The key a request with this window cost may take now, and 0.0; else None and how long until the
-        earliest of its windows has room (inf: no key has a slot free to wait for).
-
-        Among a pool's keys with a slot free, only those whose windows have room are candidates."""
-        book = self._book
-        assert book is not None
-        if not self._pool:
-            return None, book.wait_for(None, group, cost, now)
-        if pinned is not None:
-            if not self._pinned_room(pinned):
-                return None, math.inf
-            return pinned, book.wait_for(pinned, group, cost, now)
-        candidates: list[tuple[str, int | None]] = []
-        wait = math.inf
-        for level in self._pool:
-            if not level.has_room():
-                continue
-            name = level.key.key or ""
-            key_wait = book.wait_for(name, group, cost, now)
-            if key_wait <= 0:
-                candidates.append((name, level.free_slots()))
-            elif key_wait < wait:
-                wait = key_wait
-        if candidates:
-            return policy.choose_key(candidates, self._sticky.get(conversation)), 0.0
-        return None, wait
-
-    def _hold(self, waiter: Waiter, now: float) -> None:
-        """A head its windows hold: note which, counting it once on each."""
-        book, cost, group = self._book, waiter.cost, waiter.group or OTHER_GROUP
-        assert book is not None and cost is not None
-        if not self._pool or waiter.key is not None:
-            held = book.blocked_by(waiter.key if self._pool else None, group, cost, now)
-        else:
-            held = [window for level in self._pool if level.has_room()
-                    for window in book.blocked_by(level.key.key or "", group, cost, now)]
-        book.count_held(window for window in held if window not in waiter.held_by)
-        waiter.held_by = tuple(held)
 
     def _pinned_room(self, key: str) -> bool:
         """Whether a waiter pinned to ``key`` may go: the key is in the pool and has a slot free."""
@@ -264,7 +219,7 @@ class ProviderLimiter:
         return waiter
 
     def _class_of(self, waiter: Waiter) -> WaiterClass:
-        group = waiter.group if waiter.cost is not None and self._book is not None else None
+        group = waiter.group if waiter.cost is not None and self._windows is not None else None
         if not self._settings.classed() and waiter.key is None and group is None:
             return None
         return (waiter.pattern, waiter.priority.workspace if self._settings.max_share is not None else None,
@@ -355,7 +310,9 @@ class ProviderLimiter:
         With ``max_share``, a waiter whose workspace holds its share is passed over while one of another
         workspace can go; when none can, it goes (the limit is never left idle).
         """
-        self._window_wake = None
+        windows = self._windows
+        if windows is not None:
+            windows.wake = None
         if not self._provider_room():
             return None
         if self._pool and not any(level.has_room() for level in self._pool):
@@ -363,7 +320,6 @@ class ProviderLimiter:
         heads = self._waiting.heads()
         cap = policy.share_cap(self._settings.max_share, self._capacity())
         over_share: tuple[Waiter, str | None] | None = None
-        book = self._book
         for _, waiter in heads:
             pattern = waiter.pattern
             if pattern is not None:
@@ -373,14 +329,12 @@ class ProviderLimiter:
             if waiter.key is not None and not self._pinned_room(waiter.key):
                 continue
             key = waiter.key
-            if book is not None and waiter.cost is not None:
+            if windows is not None and waiter.cost is not None:
                 now = self._clock.time()
-                key, wait = self._fit_windows(waiter.priority.conversation, waiter.key, waiter.group or OTHER_GROUP,
-                                              waiter.cost, now)
+                key, wait = windows.fit(self._pool, waiter.key, self._sticky.get(waiter.priority.conversation),
+                                        waiter.group or OTHER_GROUP, waiter.cost, now)
                 if wait > 0:
-                    self._hold(waiter, now)
-                    if wait < math.inf and (self._window_wake is None or now + wait < self._window_wake):
-                        self._window_wake = now + wait
+                    windows.hold(waiter, self._pool, wait, now)
                     continue
             if cap is not None and self._by_workspace.get(waiter.priority.workspace, 0) >= cap:
                 if over_share is None:
@@ -399,10 +353,8 @@ class ProviderLimiter:
                key: str | None, cost: Mapping[str, float] | None = None, group: str | None = None) -> Lease:
         now = self._clock.time()
         lease = Lease(self, priority, seq, granted_at=now, queue_wait=queue_wait)
-        if cost and self._book is not None:
-            group = group or OTHER_GROUP
-            self._book.take(key, group, cost, now)
-            lease.cost, lease.group = cost, group
+        if cost and self._windows is not None:
+            self._windows.take(lease, key, group, cost)
         self.level.take()
         levels: tuple[LimitLevel, ...] = ()
         if key is not None:
@@ -449,22 +401,8 @@ class ProviderLimiter:
         finally:
             self._dispatching = False
             self._deadlines.settle(self._waiting.count)
-            if self._window_wake is not None and self._waiting.count:
-                self._wake_at(self._window_wake)
-
-    def _wake_at(self, when: float) -> None:
-        """One timer for the queue's window-held heads, at the earliest time one of them will have room (a
-        timer already set earlier stays: when it fires, the queue sets the next one)."""
-        if self._window_timer is not None and self._window_timer_at <= when:
-            return
-        if self._window_timer is not None:
-            self._window_timer.cancel()
-        self._window_timer_at = when
-        self._window_timer = self._clock.call_later(when - self._clock.time(), self._window_refilled)
-
-    def _window_refilled(self) -> None:
-        self._window_timer, self._window_timer_at = None, math.inf
-        self._dispatch()
+            if self._windows is not None and self._waiting.count:
+                self._windows.arm()
 
     def dispatch(self) -> None:
         """Grant whoever may go now (after a usage poll answered, say)."""
@@ -509,8 +447,8 @@ class ProviderLimiter:
             del self._by_workspace[workspace]
         if self.gate is not None:
             self.gate.request_poll()
-        if lease.cost is not None and self._book is not None and lease.group is not None:
-            self._book.ended(lease.key, lease.group, lease.cost)
+        if lease.cost is not None and self._windows is not None:
+            self._windows.ended(lease)
         free_now = self.level.give_back()
         for level in lease._levels:
             level.give_back()
@@ -539,55 +477,10 @@ class ProviderLimiter:
         if level is not None:
             level.report_budget(budget)
 
-    # ----- windows --------------------------------------------------------------------
-
-    def settle_windows(self, lease: Lease, actual: Mapping[str, float], rules: Mapping[str, str]) -> None:
-        """Reconcile the windows a request took from with the usage its answer reported (once per lease):
-        ``actual`` is what each window counted, ``rules`` how it is reconciled (``window.SETTLE_RULES``).
-        A window the answer reported nothing for keeps its estimate."""
-        book, cost, group = self._book, lease.cost, lease.group
-        if book is None or cost is None or group is None or lease.windows_settled:
-            return
-        lease.windows_settled = True
-        now = self._clock.time()
-        room = False
-        for window, charged in cost.items():
-            if window in actual and window in rules:
-                room = book.settle(lease.key, group, window, charged, actual[window], rules[window], now) or room
-        if room:
-            self._dispatch()
-
-    def report_window_hit(self, key: str | None, group: str | None, window: str, until: float) -> None:
-        """A 429 named this window: it is emptied until ``until``; the slots' limit is not touched."""
-        if self._book is not None:
-            self._book.hit(key, group or OTHER_GROUP, window, until, self._clock.time())
-
-    def report_window_limits(self, key: str | None, group: str | None, limits: Mapping[str, int]) -> None:
-        """The limits an answer's headers announced for the windows of (key, group) (with ``learn``)."""
-        book = self._book
-        if book is None:
-            return
-        now = self._clock.time()
-        changed = False
-        for window, limit in limits.items():
-            changed = book.learn(key, group or OTHER_GROUP, window, limit, now) or changed
-        if changed:
-            self._dispatch()
-
-    def report_window_remaining(self, key: str | None, group: str | None, remaining: Mapping[str, float],
-                                answered_at: float) -> None:
-        """What an answer at ``answered_at`` said was left: the room believed is never more than that, less
-        what was sent since."""
-        book = self._book
-        if book is None:
-            return
-        now = self._clock.time()
-        for window, left in remaining.items():
-            book.correct(key, group or OTHER_GROUP, window, left, now, answered_at)
-
-    def window_limits(self, key: str | None, group: str | None) -> dict[str, int]:
-        """The window limits in force for (key, group): which windows a request's cost must name."""
-        return {} if self._book is None else self._book.limits_for(key, group or OTHER_GROUP)
+    @property
+    def windows(self) -> ProviderWindows | None:
+        """Its token windows, which answers report to (None: it holds none)."""
+        return self._windows
 
     def _level_for_key(self, key: str | None) -> LimitLevel | None:
         """A key's level; a key the config has dropped since the request was sent has none."""
@@ -630,14 +523,8 @@ class ProviderLimiter:
         """
         old, self._settings = self._settings, settings
         self._build_levels(settings)
-        windows_changed = (old.windows is None) != (settings.windows is None)
-        if settings.windows is None:
-            self._book = None
-        elif self._book is None:
-            self._book = WindowBook(settings.windows)
-        elif settings.windows != old.windows:
-            self._book.apply(settings.windows, self._clock.time())
-        if windows_changed or (old.classed(), old.max_share is None) != (settings.classed(),
+        self._windows = ProviderWindows.reloaded(self._windows, settings.windows, self._clock, self._dispatch)
+        if (old.windows is None) != (settings.windows is None) or (old.classed(), old.max_share is None) != (settings.classed(),
                                                                          settings.max_share is None):
             self._reclassify()
         self.level.apply_settings(settings)
@@ -684,7 +571,7 @@ class ProviderLimiter:
                 counters[name] += count
         budgets = self._settings.budgets
         pool = set(self._pool)
-        windows = self._window_status(now)
+        windows = None if self._windows is None else self._windows.status(self._waiting, now)
         return ProviderStatus(
             provider=self.name,
             limit=level.limit,
@@ -708,17 +595,3 @@ class ProviderLimiter:
             holders=holder_statuses(itertools.islice(self._active, QUEUE_LISTED), now) if queue_detail else (),
             windows=windows(None) if windows is not None and not self._pool else None,
         )
-
-    def _window_status(self, now: float) -> Callable[[str | None], tuple[dict[str, Any], ...]] | None:
-        """The windows of a key (None: the provider's own), as status shows them; None without windows."""
-        book = self._book
-        if book is None:
-            return None
-        holding: dict[WindowId, int] = {}
-        for head, waiting in self._waiting.held_heads():
-            for window in head.held_by:
-                holding[window] = holding.get(window, 0) + waiting
-
-        def windows(key: str | None) -> tuple[dict[str, Any], ...]:
-            return tuple(book.status(key, now=now, holding=holding))
-        return windows

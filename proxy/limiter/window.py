@@ -301,6 +301,12 @@ class WindowBook:
         return [(key, group, window.name) for window in self._windows(key, group, now)
                 if (amount := cost.get(window.name)) and window.bucket.wait_for(amount, now) > 0]
 
+    def beyond_capacity(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> list[str]:
+        """The windows whose whole capacity is less than ``cost``: such a request is sent once they are full,
+        and a 429 from one of them can never be cured by waiting."""
+        return [window.name for window in self._windows(key, group, now)
+                if cost.get(window.name, 0) > window.bucket.capacity]
+
     def take(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> None:
         """A request is sent: its cost is spent, and reserved until it ends."""
         for window in self._windows(key, group, now):

@@ -17,6 +17,7 @@ from proxy.limiter import (
     WindowBook,
     WindowSettings,
 )
+from proxy.limiter.windowed import ProviderWindows
 
 T0 = 1_700_000_000.0
 ITPM = "input_tokens_per_minute"
@@ -51,6 +52,11 @@ class Recorder:
             self.order.append(name)
         return self.limiter.enqueue(priority or prio(), grant, lambda error: self.rejected.append(name),
                                     cost=cost, group=group, **kwargs)
+
+
+def windows(limiter: ProviderLimiter) -> ProviderWindows:
+    assert limiter.windows is not None
+    return limiter.windows
 
 
 def window_row(limiter: ProviderLimiter, window: str, group: str = "opus", key: str | None = None) -> dict[str, Any]:
@@ -269,6 +275,7 @@ def test_a_request_larger_than_the_window_is_sent_once_it_is_full() -> None:
     clock.advance(0.2)
     assert rec.order == ["huge"]
     assert window_row(limiter, ITPM)["available"] < -4000
+    assert windows(limiter).beyond_windows(rec.granted["huge"]) == [ITPM]
 
 
 @pytest.mark.parametrize("leaves", ["timeout", "cancel"])
@@ -292,7 +299,7 @@ def test_a_window_hit_empties_it_until_the_announced_time_and_leaves_the_limit_a
     limiter, clock = make(WindowSettings(provider={ITPM: 600}))
     lease = limiter.try_acquire(prio(), cost={ITPM: 10}, group="opus")
     assert lease is not None
-    limiter.report_window_hit(None, "opus", ITPM, T0 + 30)
+    windows(limiter).report_window_hit(None, "opus", ITPM, T0 + 30)
     lease.release()
     rec = Recorder(limiter)
     rec.enqueue("b", {ITPM: 60})
@@ -310,21 +317,21 @@ def test_the_provider_s_remaining_corrects_downward_less_what_was_sent_since() -
     answered_at = T0
     clock.advance(1)
     assert limiter.try_acquire(prio(), cost={ITPM: 100}, group="opus") is not None
-    limiter.report_window_remaining(None, "opus", {ITPM: 300}, answered_at)
+    windows(limiter).report_window_remaining(None, "opus", {ITPM: 300}, answered_at)
     assert window_row(limiter, ITPM)["available"] == 200
-    limiter.report_window_remaining(None, "opus", {ITPM: 590}, clock.time())
+    windows(limiter).report_window_remaining(None, "opus", {ITPM: 590}, clock.time())
     assert window_row(limiter, ITPM)["available"] == 200
 
 
 def test_learned_limits_hold_when_smaller_and_make_room_when_they_grow() -> None:
     limiter, _ = make(WindowSettings(provider={ITPM: 6000}))
-    limiter.report_window_limits(None, "opus", {ITPM: 600, RPM: 1})
-    assert limiter.window_limits(None, "opus") == {ITPM: 600, RPM: 1}
+    windows(limiter).report_window_limits(None, "opus", {ITPM: 600, RPM: 1})
+    assert windows(limiter).window_limits(None, "opus") == {ITPM: 600, RPM: 1}
     assert limiter.try_acquire(prio(), cost={ITPM: 10, RPM: 1}, group="opus") is not None
     rec = Recorder(limiter)
     rec.enqueue("b", {ITPM: 10, RPM: 1})
     assert rec.order == []
-    limiter.report_window_limits(None, "opus", {RPM: 100})
+    windows(limiter).report_window_limits(None, "opus", {RPM: 100})
     assert rec.order == ["b"]
     assert window_row(limiter, RPM)["source"] == "headers"
 
@@ -336,10 +343,10 @@ def test_settle_gives_back_an_over_estimate_and_charges_an_under_estimate() -> N
     rec = Recorder(limiter)
     rec.enqueue("b", {ITPM: 400})
     assert rec.order == []
-    limiter.settle_windows(lease, {ITPM: 100, OTPM: 250}, {ITPM: "give_back", OTPM: "give_back"})
+    windows(limiter).settle_windows(lease, {ITPM: 100, OTPM: 250}, {ITPM: "give_back", OTPM: "give_back"})
     assert rec.order == ["b"]  # the 200 given back made room at once
     assert window_row(limiter, OTPM)["available"] == 350
-    limiter.settle_windows(lease, {ITPM: 0, OTPM: 0}, {ITPM: "give_back", OTPM: "give_back"})
+    windows(limiter).settle_windows(lease, {ITPM: 0, OTPM: 0}, {ITPM: "give_back", OTPM: "give_back"})
     assert window_row(limiter, OTPM)["available"] == 350  # once per lease
 
 
@@ -348,9 +355,9 @@ def test_settle_charge_beyond_gives_nothing_back() -> None:
     big = limiter.try_acquire(prio(), cost={TPM: 1000}, group="gpt")
     small = limiter.try_acquire(prio(), cost={TPM: 1000}, group="gpt")
     assert big is not None and small is not None
-    limiter.settle_windows(small, {TPM: 200}, {TPM: "charge_beyond"})
+    windows(limiter).settle_windows(small, {TPM: 200}, {TPM: "charge_beyond"})
     assert window_row(limiter, TPM, group="gpt")["available"] == 4000
-    limiter.settle_windows(big, {TPM: 1500}, {TPM: "charge_beyond"})
+    windows(limiter).settle_windows(big, {TPM: 1500}, {TPM: "charge_beyond"})
     assert window_row(limiter, TPM, group="gpt")["available"] == 3500
 
 
