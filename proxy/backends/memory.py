@@ -18,9 +18,9 @@ from ..limiter import (
     Priority,
     ProviderLimiter,
     ProviderStatus,
+    ProviderWindows,
     SlotLease,
 )
-from ..limiter.windowed import ProviderWindows
 from ..logs import BackoffLog
 
 __all__ = ["MemoryBackend"]

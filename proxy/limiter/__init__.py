@@ -22,6 +22,7 @@ from .provider import ProviderLimiter
 from .queue import Priority, Waiter, WaiterQueue
 from .status import HolderStatus, KeyStatus, ModelStatus, ProviderStatus, WaiterStatus
 from .window import WINDOW_NAMES, Bucket, WindowBook, WindowSettings
+from .windowed import ProviderWindows
 
 __all__ = [
     "MAX_LIMIT",
@@ -44,6 +45,7 @@ __all__ = [
     "Priority",
     "ProviderLimiter",
     "ProviderStatus",
+    "ProviderWindows",
     "SlotLease",
     "Timer",
     "Waiter",

@@ -14,10 +14,10 @@ from proxy.limiter import (
     LimiterSettings,
     Priority,
     ProviderLimiter,
+    ProviderWindows,
     WindowBook,
     WindowSettings,
 )
-from proxy.limiter.windowed import ProviderWindows
 
 T0 = 1_700_000_000.0
 ITPM = "input_tokens_per_minute"
