@@ -48,6 +48,7 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnreachable",
     "WebSocketUnsupported",
+    "WindowsUnsupported",
 ]
 
 
@@ -162,6 +163,12 @@ class WebSocketUnsupported(ProxyError):
     any other refusal makes them retry the upgrade for seconds first."""
 
     status, code = 426, "websocket_unsupported"
+
+
+class WindowsUnsupported(ProxyError):
+    """Token windows asked of a backend that does not hold them in this version (Redis)."""
+
+    status, code = 500, "windows_unsupported"
 
 
 class AdminError(ProxyError):

@@ -40,10 +40,13 @@ class Backend(Protocol):
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
                       client_wait: float | None = None, model: str | None = None,
-                      key: str | None = None) -> SlotLease:
+                      key: str | None = None, cost: Mapping[str, float] | None = None,
+                      group: str | None = None) -> SlotLease:
         """Wait for a slot at every level that applies (the provider, the cap ``model`` matches, a key of
-        the pool: ``key`` when given), at most queue_timeout (or ``client_wait``, the client's own deadline,
-        when shorter). Raises QueueFull or QueueTimeout; cancelling the caller leaves the queue."""
+        the pool: ``key`` when given) and, where token windows are held, for ``cost`` (window name to
+        amount) from every window of the key and model ``group``, all taken at once; at most queue_timeout
+        (or ``client_wait``, the client's own deadline, when shorter). Raises QueueFull or QueueTimeout;
+        cancelling the caller leaves the queue."""
 
     async def socket_key(self, provider: str, conversation: str | None) -> str | None:
         """The pool key a new WebSocket opens its upstream socket with (``policy.socket_key``); None
@@ -56,6 +59,25 @@ class Backend(Protocol):
 
     def report_budget(self, provider: str, budget: Budget, key: str | None = None) -> None:
         """The provider's rate-limit headers on an answer sent with ``key``: a spent window holds the key."""
+
+    def settle_windows(self, provider: str, lease: SlotLease, actual: Mapping[str, float],
+                       rules: Mapping[str, str]) -> None:
+        """Reconcile the windows ``lease`` took from with its answer's usage (``window.SETTLE_RULES``)."""
+
+    def report_window_hit(self, provider: str, key: str | None, group: str | None, window: str,
+                          until: float) -> None:
+        """A 429 named this window of (key, group): empty it until ``until``; no backoff, no reduction."""
+
+    def report_window_limits(self, provider: str, key: str | None, group: str | None,
+                             limits: Mapping[str, int]) -> None:
+        """Window limits an answer's ``*-limit`` headers announced (used with ``learn``)."""
+
+    def report_window_remaining(self, provider: str, key: str | None, group: str | None,
+                                remaining: Mapping[str, float], answered_at: float) -> None:
+        """What an answer said was left of each window: the room believed only ever goes down to it."""
+
+    def window_limits(self, provider: str, key: str | None, group: str | None) -> dict[str, int]:
+        """The window limits in force for (key, group), by window name (empty: no window applies)."""
 
     def set_limit(self, provider: str, limit: int | None) -> None: ...
 

@@ -18,6 +18,7 @@ from ..limiter import (
     Priority,
     ProviderLimiter,
     ProviderStatus,
+    ProviderWindows,
     SlotLease,
 )
 from ..logs import BackoffLog
@@ -92,13 +93,14 @@ class MemoryBackend:
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
                       client_wait: float | None = None, model: str | None = None,
-                      key: str | None = None) -> SlotLease:
+                      key: str | None = None, cost: Mapping[str, float] | None = None,
+                      group: str | None = None) -> SlotLease:
         limiter = self.limiter(provider)
-        lease = limiter.try_acquire(priority, seq, model, key)
+        lease = limiter.try_acquire(priority, seq, model, key, cost, group)
         if lease is not None:
             return lease
         parked = _Parked(asyncio.get_running_loop().create_future())
-        waiter = limiter.enqueue(priority, parked.grant, parked.reject, seq, client_wait, model, key)
+        waiter = limiter.enqueue(priority, parked.grant, parked.reject, seq, client_wait, model, key, cost, group)
         try:
             return await parked.future
         except asyncio.CancelledError:
@@ -128,6 +130,38 @@ class MemoryBackend:
         limiter = self._limiters.get(provider)
         if limiter is not None:
             limiter.report_budget(budget, key)
+
+    def _windows(self, provider: str) -> ProviderWindows | None:
+        limiter = self._limiters.get(provider) or self._retired.get(provider)
+        return None if limiter is None else limiter.windows
+
+    def settle_windows(self, provider: str, lease: SlotLease, actual: Mapping[str, float],
+                       rules: Mapping[str, str]) -> None:
+        windows = self._windows(provider)
+        if windows is not None and isinstance(lease, Lease):
+            windows.settle_windows(lease, actual, rules)
+
+    def report_window_hit(self, provider: str, key: str | None, group: str | None, window: str,
+                          until: float) -> None:
+        windows = self._windows(provider)
+        if windows is not None:
+            windows.report_window_hit(key, group, window, until)
+
+    def report_window_limits(self, provider: str, key: str | None, group: str | None,
+                             limits: Mapping[str, int]) -> None:
+        windows = self._windows(provider)
+        if windows is not None:
+            windows.report_window_limits(key, group, limits)
+
+    def report_window_remaining(self, provider: str, key: str | None, group: str | None,
+                                remaining: Mapping[str, float], answered_at: float) -> None:
+        windows = self._windows(provider)
+        if windows is not None:
+            windows.report_window_remaining(key, group, remaining, answered_at)
+
+    def window_limits(self, provider: str, key: str | None, group: str | None) -> dict[str, int]:
+        windows = self._windows(provider)
+        return {} if windows is None else windows.window_limits(key, group)
 
     def set_limit(self, provider: str, limit: int | None) -> None:
         self.limiter(provider).set_limit(limit)

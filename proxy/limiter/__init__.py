@@ -21,11 +21,15 @@ from .policy import (
 from .provider import ProviderLimiter
 from .queue import Priority, Waiter, WaiterQueue
 from .status import HolderStatus, KeyStatus, ModelStatus, ProviderStatus, WaiterStatus
+from .window import WINDOW_NAMES, Bucket, WindowBook, WindowSettings
+from .windowed import ProviderWindows
 
 __all__ = [
     "MAX_LIMIT",
     "QUEUE_LISTED",
+    "WINDOW_NAMES",
     "AdmissionGate",
+    "Bucket",
     "Budget",
     "Clock",
     "FakeClock",
@@ -41,11 +45,14 @@ __all__ = [
     "Priority",
     "ProviderLimiter",
     "ProviderStatus",
+    "ProviderWindows",
     "SlotLease",
     "Timer",
     "Waiter",
     "WaiterQueue",
     "WaiterStatus",
+    "WindowBook",
+    "WindowSettings",
     "auto_reduce_notice",
     "recovering_notice",
     "validate_limit",

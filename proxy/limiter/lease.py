@@ -3,7 +3,7 @@ its keys and model caps), an extra admission gate, and the lease a request holds
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -45,6 +45,7 @@ class LimiterSettings:
     max_share: float | None = None
     budgets: bool = False
     windows: WindowSettings | None = None
+    """The token windows held for the provider (None: none, and admission is as without them)."""
 
     def pool(self) -> tuple[KeySettings, ...]:
         """The keys that may be chosen; none available means no pool (the provider is its one key)."""
@@ -57,7 +58,7 @@ class LimiterSettings:
     def level_settings(self, limit: int | None) -> LimiterSettings:
         """The settings of a key or model level: its own limit; pause and recovery as the provider's;
         no release cooldown (that is the provider's alone)."""
-        return replace(self, limit=limit, release_cooldown=0.0, keys=(), models=())
+        return replace(self, limit=limit, release_cooldown=0.0, keys=(), models=(), windows=None)
 
 
 class AdmissionGate(Protocol):
@@ -88,6 +89,10 @@ class SlotLease(Protocol):
     on_reclaim: Callable[[], None] | None
     key: str | None
     """The pool key this slot was taken on (None without a pool): the relay sends it upstream."""
+    cost: Mapping[str, float] | None
+    """What it took from its windows when sent (None: no window applied)."""
+    group: str | None
+    """The model group of the windows it took from."""
 
     def release(self) -> None: ...
 
@@ -108,7 +113,9 @@ class Lease:
     __slots__ = (
         "_levels",
         "_limiter",
+        "cost",
         "granted_at",
+        "group",
         "headers_at",
         "key",
         "lease_lost",
@@ -120,6 +127,7 @@ class Lease:
         "released",
         "seq",
         "starred",
+        "windows_settled",
     )
 
     def __init__(
@@ -138,6 +146,9 @@ class Lease:
         self.key: str | None = None
         self.model: str | None = None
         self.starred = priority.starred
+        self.cost: Mapping[str, float] | None = None
+        self.group: str | None = None
+        self.windows_settled = False
         self._levels: tuple[LimitLevel, ...] = ()
         """The key and model levels it holds a slot at, beside the provider's (a reload may drop them
         from the config; the slot is still given back to them)."""

@@ -12,6 +12,9 @@ pool. The queue is one priority order, kept as one heap per *class* of waiter
 a waiter whose cap is full never holds up a waiter of another class behind it.
 Each grant looks at the head of each class only, so it costs O(classes + log n).
 
+With token windows, a request also takes its cost from every window of its key and model group at once
+(``windowed``); its group joins its class, so a head a window holds never holds back another group.
+
 Its settings and the lease it grants are in ``lease``; what it reports, in ``status``.
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit
@@ -41,6 +44,8 @@ from .status import (
     waiter_statuses,
 )
 from .watchdog import SlotWatchdog
+from .window import OTHER_GROUP
+from .windowed import ProviderWindows
 
 __all__ = ["ProviderLimiter"]
 
@@ -78,6 +83,7 @@ class ProviderLimiter:
         self._models: dict[str, LimitLevel] = {}
         self._patterns: tuple[str, ...] = ()
         self._build_levels(settings)
+        self._windows = ProviderWindows.reloaded(None, settings.windows, clock, self._dispatch)
 
     def _build_levels(self, settings: LimiterSettings) -> None:
         """Key and model levels for these settings; a level that stays keeps its state (a changed YAML
@@ -105,26 +111,36 @@ class ProviderLimiter:
         return next(self._arrivals)
 
     def try_acquire(self, priority: Priority, seq: int | None = None, model: str | None = None,
-                    key: str | None = None) -> Lease | None:
+                    key: str | None = None, cost: Mapping[str, float] | None = None,
+                    group: str | None = None) -> Lease | None:
         """The fast path: a slot now, or None when the caller must queue.
 
         Nobody may overtake a waiter, so a non-empty queue always means None (``enqueue``
         then grants at once whoever may go, a request for a model with room among them).
-        ``key`` pins the slot to that key of the pool (ignored without a pool).
+        ``key`` pins the slot to that key of the pool (ignored without a pool). ``cost`` is what the
+        request takes from the windows of its model ``group`` (ignored when no window is held).
         """
         if self._waiting.count or not self._provider_room():
             return None
         pattern = policy.model_pattern(model, self._patterns) if self._patterns else None
         if pattern is not None and not self._models[pattern].has_room():
             return None
-        if self._pool:
+        if cost and self._windows is not None:
+            if self._pool and key is not None and not self._pinned_room(key):
+                return None
+            key, wait = self._windows.fit(self._pool, key if self._pool else None,
+                                          self._sticky.get(priority.conversation), group or OTHER_GROUP, cost,
+                                          self._clock.time())
+            if wait > 0:
+                return None
+        elif self._pool:
             key = (key if self._pinned_room(key) else None) if key is not None \
                 else self._choose_key(priority.conversation)
             if key is None:
                 return None
         else:
             key = None
-        lease = self._grant(priority, self.next_arrival() if seq is None else seq, 0.0, pattern, key)
+        lease = self._grant(priority, self.next_arrival() if seq is None else seq, 0.0, pattern, key, cost, group)
         lease.model = model
         lease.starred = priority.starred or priority.workspace in self._starred
         return lease
@@ -152,9 +168,11 @@ class ProviderLimiter:
         client_wait: float | None = None,
         model: str | None = None,
         key: str | None = None,
+        cost: Mapping[str, float] | None = None,
+        group: str | None = None,
     ) -> Waiter:
         """Queue a request; ``on_grant(lease)`` is called when its turn comes (on ``key`` when given, a key
-        of the pool).
+        of the pool, with ``cost`` taken from the windows of its model ``group``).
 
         ``on_reject(error)`` is called instead if it times out (QueueTimeout: after
         queue_timeout, or ``client_wait`` when that is shorter) or the queue is shed
@@ -186,6 +204,8 @@ class ProviderLimiter:
             pattern=pattern,
             key=key if self._pool else None,
             model=model,
+            cost=cost or None,
+            group=(group or OTHER_GROUP) if cost else None,
         )
         self._push(waiter)
         if limit is not None and limit > 0:
@@ -199,10 +219,11 @@ class ProviderLimiter:
         return waiter
 
     def _class_of(self, waiter: Waiter) -> WaiterClass:
-        if not self._settings.classed() and waiter.key is None:
+        group = waiter.group if waiter.cost is not None and self._windows is not None else None
+        if not self._settings.classed() and waiter.key is None and group is None:
             return None
         return (waiter.pattern, waiter.priority.workspace if self._settings.max_share is not None else None,
-                waiter.key)
+                waiter.key, group)
 
     def _push(self, waiter: Waiter) -> None:
         self._waiting.push(waiter, self._class_of(waiter))
@@ -283,18 +304,22 @@ class ProviderLimiter:
         return total
 
     def _next_grant(self) -> tuple[Waiter, str | None] | None:
-        """The first waiter, in queue order over the class heads, that every level it needs has room for.
+        """The first waiter, in queue order over the class heads, that every level and window it needs has
+        room for.
 
         With ``max_share``, a waiter whose workspace holds its share is passed over while one of another
         workspace can go; when none can, it goes (the limit is never left idle).
         """
+        windows = self._windows
+        if windows is not None:
+            windows.wake = None
         if not self._provider_room():
             return None
         if self._pool and not any(level.has_room() for level in self._pool):
             return None
         heads = self._waiting.heads()
         cap = policy.share_cap(self._settings.max_share, self._capacity())
-        over_share: Waiter | None = None
+        over_share: tuple[Waiter, str | None] | None = None
         for _, waiter in heads:
             pattern = waiter.pattern
             if pattern is not None:
@@ -303,23 +328,33 @@ class ProviderLimiter:
                     continue
             if waiter.key is not None and not self._pinned_room(waiter.key):
                 continue
+            key = waiter.key
+            if windows is not None and waiter.cost is not None:
+                now = self._clock.time()
+                key, wait = windows.fit(self._pool, waiter.key, self._sticky.get(waiter.priority.conversation),
+                                        waiter.group or OTHER_GROUP, waiter.cost, now)
+                if wait > 0:
+                    windows.hold(waiter, self._pool, wait, now)
+                    continue
             if cap is not None and self._by_workspace.get(waiter.priority.workspace, 0) >= cap:
                 if over_share is None:
-                    over_share = waiter
+                    over_share = waiter, key
                 continue
             break
         else:
             if over_share is None:
                 return None
-            waiter = over_share
+            waiter, key = over_share
         if not self._pool:
             return waiter, None
-        return waiter, waiter.key or self._choose_key(waiter.priority.conversation)
+        return waiter, key or self._choose_key(waiter.priority.conversation)
 
     def _grant(self, priority: Priority, seq: int, queue_wait: float, pattern: str | None,
-               key: str | None) -> Lease:
+               key: str | None, cost: Mapping[str, float] | None = None, group: str | None = None) -> Lease:
         now = self._clock.time()
         lease = Lease(self, priority, seq, granted_at=now, queue_wait=queue_wait)
+        if cost and self._windows is not None:
+            self._windows.take(lease, key, group, cost)
         self.level.take()
         levels: tuple[LimitLevel, ...] = ()
         if key is not None:
@@ -359,13 +394,15 @@ class ProviderLimiter:
                 on_grant = waiter.on_grant
                 waiter.forget_callbacks()
                 lease = self._grant(waiter.priority, waiter.seq, self._clock.time() - waiter.enqueued_at,
-                                    waiter.pattern, key)
+                                    waiter.pattern, key, waiter.cost, waiter.group)
                 lease.model, lease.starred = waiter.model, waiter.starred
                 if on_grant is not None:
                     on_grant(lease)
         finally:
             self._dispatching = False
             self._deadlines.settle(self._waiting.count)
+            if self._windows is not None and self._waiting.count:
+                self._windows.arm()
 
     def dispatch(self) -> None:
         """Grant whoever may go now (after a usage poll answered, say)."""
@@ -410,6 +447,8 @@ class ProviderLimiter:
             del self._by_workspace[workspace]
         if self.gate is not None:
             self.gate.request_poll()
+        if lease.cost is not None and self._windows is not None:
+            self._windows.ended(lease)
         free_now = self.level.give_back()
         for level in lease._levels:
             level.give_back()
@@ -437,6 +476,11 @@ class ProviderLimiter:
         level = self._level_for_key(key)
         if level is not None:
             level.report_budget(budget)
+
+    @property
+    def windows(self) -> ProviderWindows | None:
+        """Its token windows, which answers report to (None: it holds none)."""
+        return self._windows
 
     def _level_for_key(self, key: str | None) -> LimitLevel | None:
         """A key's level; a key the config has dropped since the request was sent has none."""
@@ -479,7 +523,9 @@ class ProviderLimiter:
         """
         old, self._settings = self._settings, settings
         self._build_levels(settings)
-        if (old.classed(), old.max_share is None) != (settings.classed(), settings.max_share is None):
+        self._windows = ProviderWindows.reloaded(self._windows, settings.windows, self._clock, self._dispatch)
+        if (old.windows is None) != (settings.windows is None) or (old.classed(), old.max_share is None) != (settings.classed(),
+                                                                         settings.max_share is None):
             self._reclassify()
         self.level.apply_settings(settings)
         self._active.set_timeout(settings.slot_timeout)
@@ -525,6 +571,7 @@ class ProviderLimiter:
                 counters[name] += count
         budgets = self._settings.budgets
         pool = set(self._pool)
+        windows = None if self._windows is None else self._windows.status(self._waiting, now)
         return ProviderStatus(
             provider=self.name,
             limit=level.limit,
@@ -540,9 +587,11 @@ class ProviderLimiter:
             queue=queue,
             counters=counters,
             usage=self.gate.status() if self.gate is not None else None,
-            keys=tuple(key_status(name, key, key in pool, budgets) for name, key in self._keys.items()),
+            keys=tuple(key_status(name, key, key in pool, budgets, None if windows is None else windows(name))
+                       for name, key in self._keys.items()),
             models=tuple(ModelStatus(pattern, cap.limit, cap.configured_limit, cap.in_flight)
                          for pattern, cap in self._models.items()),
             budget=budget_of(level) if budgets and not self._pool else None,
             holders=holder_statuses(itertools.islice(self._active, QUEUE_LISTED), now) if queue_detail else (),
+            windows=windows(None) if windows is not None and not self._pool else None,
         )

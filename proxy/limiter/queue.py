@@ -5,15 +5,16 @@ reaches the top, and the heap is compacted when dead entries outnumber live ones
 cancellation is O(1) amortised and nothing ever sorts the queue on insert.
 
 A provider's queue (``ClassedQueue``) is one such heap per class of waiter (its model
-cap, its workspace when ``max_share`` is set, the key it is pinned to): a waiter whose
-class cannot go never holds up a waiter of another class behind it.
+cap, its workspace when ``max_share`` is set, the key it is pinned to, its model group
+when token windows are held): a waiter whose class cannot go never holds up a waiter of
+another class behind it.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -21,9 +22,10 @@ from .policy import queue_key
 
 __all__ = ["ClassedQueue", "Priority", "Waiter", "WaiterClass", "WaiterQueue"]
 
-WaiterClass = tuple[str | None, str | None, str | None] | None
+WaiterClass = tuple[str | None, str | None, str | None, str | None] | None
 """Which heap of its provider's queue a waiter is in: (model cap pattern, workspace when shares apply, the
-pool key it must have), or None for the provider's one heap of waiters any slot may serve."""
+pool key it must have, its model group when windows apply), or None for the provider's one heap of waiters
+any slot may serve."""
 
 
 class Priority(NamedTuple):
@@ -56,6 +58,12 @@ class Waiter:
     model: str | None = None
     """The model the request named (shown while it holds its slot)."""
     waiter_class: WaiterClass = None
+    cost: Mapping[str, float] | None = None
+    """What it will take from its windows (None: no window applies to it)."""
+    group: str | None = None
+    """The model group of its windows."""
+    held_by: tuple[tuple[str | None, str, str], ...] = ()
+    """The windows that held it when it last came up and could not go (key, group, window)."""
 
     def forget_callbacks(self) -> None:
         """Drop the references to the caller's future once the waiter has left the queue."""
@@ -173,6 +181,14 @@ class ClassedQueue:
         if len(heads) > 1:
             heads.sort(key=_key)
         return heads
+
+    def held_heads(self) -> Iterator[tuple[Waiter, int]]:
+        """Each class's first waiter that a window held, with how many waiters its class holds (status)."""
+        for queue in self._heaps.values():
+            if len(queue):
+                head = queue.head()[1]
+                if head.held_by:
+                    yield head, len(queue)
 
     def take_all(self) -> list[Waiter]:
         """Empty the queue: every waiter it held, class by class in queue order, no longer queued."""

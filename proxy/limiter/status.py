@@ -66,6 +66,8 @@ class KeyStatus:
     auto_reduced_from: int | None
     notice: str | None
     budget: dict[str, int | None] | None = None
+    windows: tuple[dict[str, Any], ...] | None = None
+    """Its token windows, when the provider holds windows (see ``window.WindowBook.status``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +82,7 @@ class KeyStatus:
             "auto_reduced_from": self.auto_reduced_from,
             "notice": self.notice,
             **({} if self.budget is None else {"budget": self.budget}),
+            **({} if self.windows is None else {"windows": [dict(window) for window in self.windows]}),
         }
 
 
@@ -121,6 +124,8 @@ class ProviderStatus:
     """With ``budgets`` and no pool, the provider's own budget (it is its one key)."""
     holders: tuple[HolderStatus, ...] = ()
     """The requests holding slots, longest held first (the first ``QUEUE_LISTED``)."""
+    windows: tuple[dict[str, Any], ...] | None = None
+    """With windows and no pool, the provider's own (it is its one key); a pool's are on its keys."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -155,6 +160,7 @@ class ProviderStatus:
             "keys": [key.to_dict() for key in self.keys],
             "models": [model.to_dict() for model in self.models],
             **({} if self.budget is None else {"budget": self.budget}),
+            **({} if self.windows is None else {"windows": [dict(window) for window in self.windows]}),
             **({} if self.local_in_flight is None else {"local_in_flight": self.local_in_flight}),
         }
 
@@ -193,7 +199,8 @@ def budget_of(level: LimitLevel) -> dict[str, int | None]:
     return budget.to_dict(level.held_until)
 
 
-def key_status(name: str, level: LimitLevel, available: bool, budgets: bool) -> KeyStatus:
+def key_status(name: str, level: LimitLevel, available: bool, budgets: bool,
+               windows: tuple[dict[str, Any], ...] | None = None) -> KeyStatus:
     paused_until = level.paused_until
     return KeyStatus(
         name=name,
@@ -205,4 +212,5 @@ def key_status(name: str, level: LimitLevel, available: bool, budgets: bool) -> 
         auto_reduced_from=level.auto_reduced_from,
         notice=level.notice,
         budget=budget_of(level) if budgets else None,
+        windows=windows,
     )

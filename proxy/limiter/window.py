@@ -1,12 +1,31 @@
-"""Token windows: the per-minute token and request limits a provider enforces per key and model group."""
+"""Token windows: the per-minute input, output, token and request limits providers hold each key to.
+
+A window is a token bucket as the providers run them: its capacity is the per-minute limit (less the
+configured headroom), it refills continuously at capacity/60 per second, and a request takes its cost out
+of it when it is sent. A window belongs to one key (None: the provider itself, without a pool) and one
+model group (the ``models`` pattern the request's model matches, else the model name).
+
+Pure: no I/O, no clock of its own; every method that needs the time is given ``now`` (epoch seconds).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
-__all__ = ["WINDOW_NAMES", "WindowSettings"]
+__all__ = [
+    "MAX_GROUPS",
+    "OTHER_GROUP",
+    "SETTLE_RULES",
+    "WINDOW_NAMES",
+    "Bucket",
+    "WindowBook",
+    "WindowSettings",
+]
 
 WINDOW_NAMES: tuple[str, ...] = (
     "input_tokens_per_minute",
@@ -14,6 +33,24 @@ WINDOW_NAMES: tuple[str, ...] = (
     "tokens_per_minute",
     "requests_per_minute",
 )
+
+SETTLE_RULES = ("give_back", "charge_beyond")
+"""How an answer's usage reconciles a window: Anthropic's input and output windows give back an
+over-estimate and charge an under-estimate; OpenAI's tokens_per_minute only charges what went beyond."""
+
+OTHER_GROUP = "other"
+"""The group of a request that names no model."""
+
+MAX_GROUPS = 512
+"""(key, group) pairs kept at most; beyond it an idle pair (full buckets, nothing reserved) is forgotten
+first. Groups come from the models clients name, so their number is bounded here."""
+
+_REFILL_SECONDS = 60.0
+_SLACK_SECONDS = 1e-3
+"""Room counts as there when a millisecond's refill would make it: a timer set for the refill may fire
+a hair early (float time), and must not need a second one."""
+_RECENT_SECONDS = 120.0
+"""How long a bucket remembers what it took, for ``correct`` (what was sent since an answer)."""
 
 
 def _frozen(limits: Mapping[str, int]) -> Mapping[str, int]:
@@ -26,8 +63,9 @@ def _pairs(limits: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
 
 @dataclass(frozen=True, slots=True)
 class WindowSettings:
-    """A provider's configured windows: its own limits, each model pattern's and each pool key's overrides
-    (window name -> limit per minute), whether limits are also learned from answers, and the headroom."""
+    """The configured windows of one provider (``windows:`` on the provider, its ``models`` patterns and its
+    ``keys``), limits by window name; whether limits are also learned from answers, and the headroom.
+    Frozen and hashable (read-only mappings), as ``LimiterSettings`` is."""
 
     provider: Mapping[str, int] = field(default_factory=dict)
     models: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
@@ -46,3 +84,337 @@ class WindowSettings:
     def _identity(self) -> tuple[object, ...]:
         return (_pairs(self.provider), tuple((p, _pairs(m)) for p, m in self.models.items()),
                 tuple((k, _pairs(m)) for k, m in self.keys.items()), self.learn, self.headroom)
+
+
+class Bucket:
+    """One window. The level is kept as of ``_at``; before ``_at`` (a window hit) it does not refill."""
+
+    __slots__ = ("_at", "_level", "_recent", "capacity", "rate")
+
+    def __init__(self, limit: float, now: float, headroom: float = 0.0) -> None:
+        self.capacity = _capacity(limit, headroom)
+        self.rate = self.capacity / _REFILL_SECONDS
+        self._level = self.capacity
+        self._at = now
+        self._recent: deque[tuple[float, float]] = deque()
+
+    def level(self, now: float) -> float:
+        elapsed = now - self._at
+        if elapsed <= 0:
+            return self._level
+        return min(self.capacity, self._level + self.rate * elapsed)
+
+    def _sync(self, now: float) -> None:
+        if now > self._at:
+            self._level = self.level(now)
+            self._at = now
+
+    def take(self, amount: float, now: float) -> None:
+        """Spend ``amount``; the level goes below 0 only for a request larger than the whole window."""
+        self._sync(now)
+        self._level -= amount
+        recent = self._recent
+        recent.append((now, amount))
+        while recent and recent[0][0] < now - _RECENT_SECONDS:
+            recent.popleft()
+
+    def give(self, amount: float, now: float) -> None:
+        self._sync(now)
+        self._level = min(self.capacity, self._level + amount)
+
+    def wait_for(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` may be taken (0.0: now). More than the whole capacity waits for a full
+        bucket, then may be taken."""
+        need = min(amount, self.capacity)
+        start = max(now, self._at)
+        level = self.level(start)
+        missing = need - level - self.rate * _SLACK_SECONDS
+        if missing <= 0 and start == now:
+            return 0.0
+        return start - now + max(0.0, missing) / self.rate
+
+    def empty_until(self, until: float, now: float) -> None:
+        """A window hit: nothing left, and no refill before ``until``."""
+        self._sync(now)
+        self._level = min(self._level, 0.0)
+        self._at = max(self._at, until, now)
+
+    def correct(self, remaining: float, now: float) -> None:
+        """The provider's word on what is left (already less what was sent since it said so): only lowers."""
+        self._sync(now)
+        self._level = min(self._level, remaining)
+
+    def taken_since(self, since: float) -> float:
+        return sum(amount for at, amount in self._recent if at > since)
+
+    def set_limit(self, limit: float, headroom: float, now: float) -> None:
+        """A new limit: what was spent stays spent (the level moves by the change of capacity), never below
+        empty when the limit falls (a debt stays as it is) and never above the new capacity."""
+        self._sync(now)
+        capacity = _capacity(limit, headroom)
+        if capacity == self.capacity:
+            return
+        self._level = max(self._level + capacity - self.capacity, min(self._level, 0.0))
+        self.capacity = capacity
+        self.rate = capacity / _REFILL_SECONDS
+
+
+def _capacity(limit: float, headroom: float) -> float:
+    if not (limit > 0 and math.isfinite(limit)):
+        raise ValueError(f"a window limit must be a positive number, got {limit!r}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"a window's headroom must be at least 0 and below 1, got {headroom!r}")
+    return limit * (1.0 - headroom)
+
+
+WindowId = tuple[str | None, str, str]
+"""(key, group, window): one bucket of a provider."""
+
+
+class _Window:
+    """A bucket with what status and metrics count of it."""
+
+    __slots__ = ("bucket", "held", "hits", "name", "reserved")
+
+    def __init__(self, name: str, bucket: Bucket) -> None:
+        self.name = name
+        self.bucket = bucket
+        self.held = 0
+        """Requests that waited on it."""
+        self.hits = 0
+        self.reserved = 0.0
+
+
+class WindowBook:
+    """Every window of one provider, created when a request of its (key, group) first meets a limit."""
+
+    def __init__(self, settings: WindowSettings) -> None:
+        self._settings = settings
+        self._sets: OrderedDict[tuple[str | None, str], list[_Window]] = OrderedDict()
+        self._learned: dict[WindowId, int] = {}
+        self._hits: dict[WindowId, int] = {}
+
+    @property
+    def settings(self) -> WindowSettings:
+        return self._settings
+
+    # ----- limits ----------------------------------------------------------------
+
+    def _configured(self, key: str | None, group: str) -> dict[str, int]:
+        settings = self._settings
+        limits = dict(settings.provider)
+        model = settings.models.get(group)
+        if model:
+            limits.update(model)
+        if key is not None and (own := settings.keys.get(key)):
+            limits.update(own)
+        return limits
+
+    def _limits(self, key: str | None, group: str) -> dict[str, tuple[int, str]]:
+        """Each window's limit and where it came from; when config and headers both give one, the smaller."""
+        limits = {name: (limit, "config") for name, limit in self._configured(key, group).items()}
+        if self._settings.learn:
+            for name in WINDOW_NAMES:
+                learned = self._learned.get((key, group, name))
+                if learned is None:
+                    continue
+                configured = limits.get(name)
+                limits[name] = (learned, "headers") if configured is None else (
+                    min(learned, configured[0]), "both")
+        return {name: limits[name] for name in WINDOW_NAMES if name in limits}
+
+    def limits_for(self, key: str | None, group: str) -> dict[str, int]:
+        return {name: limit for name, (limit, _) in self._limits(key, group).items()}
+
+    def source(self, key: str | None, group: str, window: str) -> str | None:
+        entry = self._limits(key, group).get(window)
+        return None if entry is None else entry[1]
+
+    def learn(self, key: str | None, group: str, window: str, limit: int, now: float | None = None) -> bool:
+        """A limit an answer's headers announced; True when the limit in force changed (more room may exist)."""
+        if not self._settings.learn or window not in WINDOW_NAMES or limit < 1:
+            return False
+        if self._learned.get((key, group, window)) == limit:
+            return False
+        self._learned[(key, group, window)] = limit
+        return self._refresh(key, group, now)
+
+    def apply(self, settings: WindowSettings, now: float) -> None:
+        """A config reload: every bucket takes its new limit; a window no longer limited is dropped."""
+        self._settings = settings
+        if not settings.learn:
+            self._learned.clear()
+        for key, group in list(self._sets):
+            self._refresh(key, group, now)
+
+    def _refresh(self, key: str | None, group: str, now: float | None) -> bool:
+        windows = self._sets.get((key, group))
+        if windows is None:
+            return False
+        limits = self.limits_for(key, group)
+        headroom = self._settings.headroom
+        changed = False
+        kept = []
+        for window in windows:
+            limit = limits.pop(window.name, None)
+            if limit is None:
+                changed = True
+                continue
+            before = window.bucket.capacity
+            window.bucket.set_limit(limit, headroom, window.bucket._at if now is None else now)
+            changed = changed or window.bucket.capacity != before
+            kept.append(window)
+        at = 0.0 if now is None else now
+        for name, limit in limits.items():
+            kept.append(self._new_window(key, group, name, limit, at))
+            changed = True
+        kept.sort(key=lambda window: WINDOW_NAMES.index(window.name))
+        self._sets[(key, group)] = kept
+        return changed
+
+    def _new_window(self, key: str | None, group: str, name: str, limit: int, now: float) -> _Window:
+        window = _Window(name, Bucket(limit, now, self._settings.headroom))
+        window.hits = self._hits.get((key, group, name), 0)
+        return window
+
+    def _windows(self, key: str | None, group: str, now: float) -> list[_Window]:
+        """The windows of (key, group), made on first use; the least recently used idle pair is forgotten
+        beyond ``MAX_GROUPS``."""
+        sets = self._sets
+        windows = sets.get((key, group))
+        if windows is not None:
+            sets.move_to_end((key, group))
+            return windows
+        windows = [self._new_window(key, group, name, limit, now)
+                   for name, limit in self.limits_for(key, group).items()]
+        sets[(key, group)] = windows
+        if len(sets) > MAX_GROUPS:
+            self._forget_idle(now)
+        return windows
+
+    def _forget_idle(self, now: float) -> None:
+        for pair, windows in self._sets.items():
+            if all(w.reserved <= 0 and w.bucket.level(now) >= w.bucket.capacity for w in windows):
+                del self._sets[pair]
+                for name in WINDOW_NAMES:
+                    self._learned.pop((*pair, name), None)
+                    self._hits.pop((*pair, name), None)
+                return
+
+    def _window(self, key: str | None, group: str, window: str, now: float) -> _Window | None:
+        for entry in self._windows(key, group, now):
+            if entry.name == window:
+                return entry
+        return None
+
+    # ----- admission -------------------------------------------------------------
+
+    def wait_for(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> float:
+        """Seconds until every window of (key, group) has room for ``cost`` (0.0: now)."""
+        wait = 0.0
+        for window in self._windows(key, group, now):
+            amount = cost.get(window.name)
+            if amount:
+                wait = max(wait, window.bucket.wait_for(amount, now))
+        return wait
+
+    def blocked_by(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> list[WindowId]:
+        """The windows of (key, group) that have no room for ``cost`` now."""
+        return [(key, group, window.name) for window in self._windows(key, group, now)
+                if (amount := cost.get(window.name)) and window.bucket.wait_for(amount, now) > 0]
+
+    def beyond_capacity(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> list[str]:
+        """The windows whose whole capacity is less than ``cost``: such a request is sent once they are full,
+        and a 429 from one of them can never be cured by waiting."""
+        return [window.name for window in self._windows(key, group, now)
+                if cost.get(window.name, 0) > window.bucket.capacity]
+
+    def take(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> None:
+        """A request is sent: its cost is spent, and reserved until it ends."""
+        for window in self._windows(key, group, now):
+            amount = cost.get(window.name)
+            if amount:
+                window.bucket.take(amount, now)
+                window.reserved += amount
+
+    def ended(self, key: str | None, group: str, cost: Mapping[str, float]) -> None:
+        """A request ended: its cost is no longer reserved (nothing is given back: a window is spent by sending)."""
+        windows = self._sets.get((key, group))
+        for window in windows or ():
+            amount = cost.get(window.name)
+            if amount:
+                window.reserved = max(0.0, window.reserved - amount)
+
+    def count_held(self, ids: Iterable[WindowId]) -> None:
+        """A request began waiting on these windows."""
+        for key, group, name in ids:
+            for window in self._sets.get((key, group)) or ():
+                if window.name == name:
+                    window.held += 1
+
+    # ----- what the provider said ----------------------------------------------------
+
+    def settle(self, key: str | None, group: str, window: str, charged: float, actual: float, rule: str,
+               now: float) -> bool:
+        """Reconcile a window with what the answer reported; True when room was given back."""
+        if rule not in SETTLE_RULES:
+            raise ValueError(f"unknown settle rule {rule!r}: use one of {', '.join(SETTLE_RULES)}")
+        windows = self._sets.get((key, group))
+        entry = next((w for w in windows or () if w.name == window), None)
+        if entry is None:
+            return False
+        beyond = actual - charged
+        if beyond > 0:
+            entry.bucket.take(beyond, now)
+        elif beyond < 0 and rule == "give_back":
+            entry.bucket.give(-beyond, now)
+            return True
+        return False
+
+    def hit(self, key: str | None, group: str, window: str, until: float, now: float) -> None:
+        """A 429 named this window: it is counted, and empty until ``until``."""
+        wid = (key, group, window)
+        self._hits[wid] = self._hits.get(wid, 0) + 1
+        entry = self._window(key, group, window, now)
+        if entry is not None:
+            entry.hits += 1
+            entry.bucket.empty_until(until, now)
+
+    def correct(self, key: str | None, group: str, window: str, remaining: float, now: float,
+                answered_at: float | None = None) -> None:
+        """The provider announced ``remaining`` at ``answered_at``: the room believed is never more than
+        that, less what was sent since."""
+        entry = self._window(key, group, window, now)
+        if entry is None:
+            return
+        sent_since = 0.0 if answered_at is None else entry.bucket.taken_since(answered_at)
+        entry.bucket.correct(remaining - sent_since, now)
+
+    # ----- observing -------------------------------------------------------------
+
+    def status(self, key: str | None, group: str | None = None, *, now: float,
+               holding: Mapping[WindowId, int] | None = None) -> list[dict[str, Any]]:
+        """The windows of ``key`` (of one group, or all), as status shows them; ``holding`` is the waiters
+        each window holds now. The estimator's ratio and errors are left None for the caller to fill."""
+        rows = []
+        for (owner, pair_group), windows in self._sets.items():
+            if owner != key or (group is not None and pair_group != group):
+                continue
+            limits = self._limits(owner, pair_group)
+            for window in windows:
+                limit, source = limits.get(window.name, (None, None))
+                rows.append({
+                    "group": pair_group,
+                    "window": window.name,
+                    "limit": limit,
+                    "source": source,
+                    "available": math.floor(window.bucket.level(now)),
+                    "reserved": math.ceil(window.reserved),
+                    "held": (holding or {}).get((owner, pair_group, window.name), 0),
+                    "held_total": window.held,
+                    "hits": window.hits,
+                    "ratio": None,
+                    "estimate_error_p50": None,
+                    "estimate_error_p90": None,
+                })
+        return rows

@@ -11,13 +11,13 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from redis.exceptions import RedisError, ResponseError
 
 from ...aio import result_if_any
-from ...errors import QueueFull, QueueTimeout, UnknownProvider
+from ...errors import QueueFull, QueueTimeout, UnknownProvider, WindowsUnsupported
 from ...limiter import Clock, LimiterSettings, LoopClock, Priority, SlotLease, policy
 from ...limiter.deadlines import Deadlines
 from ...limiter.watchdog import SlotWatchdog
@@ -57,6 +57,10 @@ class RedisLease:
         "seq",
         "waiter_id",
     )
+
+    cost: Mapping[str, float] | None = None
+    """Token windows are not held here in this version: a Redis lease never took from one."""
+    group: str | None = None
 
     def __init__(self, backend: SlotKeeper, provider: str, waiter_id: str, lease_id: str, granted_at_ms: int,
                  queue_wait: float, priority: Priority, seq: int, key: str | None = None) -> None:
@@ -204,10 +208,15 @@ class SlotKeeper(ScriptClient):
 
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
                       client_wait: float | None = None, model: str | None = None,
-                      key: str | None = None) -> SlotLease:
+                      key: str | None = None, cost: Mapping[str, float] | None = None,
+                      group: str | None = None) -> SlotLease:
         settings = self._settings.get(provider)
         if settings is None:
             raise UnknownProvider.named(provider)
+        if cost:
+            raise WindowsUnsupported(
+                f"provider '{provider}' asked for token windows, which the Redis backend does not hold in this "
+                "version; use backend kind 'memory' for windows, or remove the provider's windows")
         if not self.healthy and self._mode == "local":
             return await self._local.acquire(provider, priority, seq=seq, client_wait=client_wait, model=model,
                                              key=key)

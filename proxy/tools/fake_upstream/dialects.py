@@ -26,54 +26,8 @@ OpenAI's routes, R on Anthropic's):
   ``{"output_tokens": round(O*k/N)}`` for k = 1..N (cumulative: the last is
   O), the last alone with ``"stop_reason": "end_turn"`` (the others ``null``).
 
-With ``window_requests`` set, every model answer past the header checks (200 or
-429, streamed or not) announces its key's window as it stands once this request
-was counted:
-
-==========================================  ====================================
-``x-ratelimit-limit-requests``              OpenAI routes: ``window_requests``
-``x-ratelimit-remaining-requests``          what is left of them
-``x-ratelimit-reset-requests``              the wait till the window resets,
-                                            rounded up to the ms: ``0.25s``,
-                                            ``1.5s`` (at most 3 decimals, under
-                                            a minute), ``6m0s``, ``1h2m3s``
-``x-ratelimit-limit-tokens``                ``WINDOW_TOKENS`` (1000000)
-``x-ratelimit-remaining-tokens``            that less ``TOKENS_PER_REQUEST``
-                                            (100) per request admitted
-``x-ratelimit-reset-tokens``                as ``x-ratelimit-reset-requests``
-``anthropic-ratelimit-requests-limit``      Anthropic: ``window_requests``
-``anthropic-ratelimit-requests-remaining``  what is left of them
-``anthropic-ratelimit-requests-reset``      the instant the window resets,
-                                            RFC 3339 UTC with microseconds:
-                                            ``2026-12-01T10:00:02.500000Z``
-``anthropic-ratelimit-tokens-limit``        as ``x-ratelimit-limit-tokens``
-``anthropic-ratelimit-tokens-remaining``    as ``x-ratelimit-remaining-tokens``
-``anthropic-ratelimit-tokens-reset``        as the requests' ``-reset``
-``anthropic-ratelimit-unified-status``      with ``unified``: ``allowed`` while
-                                            requests remain, else ``rejected``
-``anthropic-ratelimit-unified-reset``       with ``unified``: the reset, in
-                                            epoch seconds rounded up
-==========================================  ====================================
-
-With the per-minute windows (``windows``), every model answer (200 or 429)
-announces instead each window that holds its route, as it stands once this
-request was charged: OpenAI's ``x-ratelimit-{limit,remaining,reset}-tokens``
-(``tokens_per_minute``) and ``-requests``, the reset the wait till the bucket
-is full in the duration form above; Anthropic's ``anthropic-ratelimit-
-{input-tokens,output-tokens,requests}-{limit,remaining,reset}``, token
-``-remaining`` rounded to the nearest thousand (halves up), the reset the
-instant the bucket is full (RFC 3339), and ``anthropic-ratelimit-tokens-*``
-repeating the token window with the least remaining. A window that refuses a
-request answers 429 with Retry-After and retry-after-ms (the wait till it has
-room) and the provider's body: OpenAI ``{"error": {"message": "Rate limit
-reached for MODEL in organization org-fake on tokens per min (TPM): Limit L,
-Used U, Requested R. Please try again in 1.2s. Visit ...", "type": "tokens",
-"param": null, "code": "rate_limit_exceeded"}}`` (``requests per min (RPM)``,
-type ``requests``; above the whole window, ``Request too large for ...``);
-Anthropic ``{"type": "error", "error": {"type": "rate_limit_error", "message":
-"This request would exceed the rate limit for your organization (ORG) of
-450,000 input tokens per minute. For details, ..."}}`` (``output tokens``,
-``requests``).
+The rate-limit headers every answer carries, and the 429s of the per-minute windows, are described in
+:mod:`.ratelimit` (their wire helpers live there).
 """
 
 from __future__ import annotations
@@ -84,9 +38,20 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any
 
+from .ratelimit import (
+    ANTHROPIC_ORGANIZATION,
+    ANTHROPIC_WINDOWS,
+    OPENAI_WINDOWS,
+    ORGANIZATION,
+    WINDOW_TOKENS,
+    WindowState,
+    nearest_thousand,
+    openai_duration,
+    retry_after_headers,
+    rfc3339,
+)
 from .windows import INPUT, OUTPUT, REQUESTS, TOKENS, Reading, Refusal
 
 __all__ = [
@@ -106,9 +71,6 @@ __all__ = [
 ]
 
 MODEL = "fake-model"
-WINDOW_TOKENS = 1_000_000
-TOKENS_PER_REQUEST = 100
-
 _OPENAI_ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
@@ -126,11 +88,6 @@ _ANTHROPIC_ERROR_TYPES = {
     529: "overloaded_error",
 }
 _OPENAI_ERROR_CODES = {429: "rate_limit_exceeded"}
-ORGANIZATION = "org-fake"
-ANTHROPIC_ORGANIZATION = "00000000-0000-4000-8000-00000000fa4e"
-_OPENAI_WINDOWS = {TOKENS: ("tokens", "TPM"), REQUESTS: ("requests", "RPM")}
-_ANTHROPIC_WINDOWS = {INPUT: ("input-tokens", "input tokens"), OUTPUT: ("output-tokens", "output tokens"),
-                      REQUESTS: ("requests", "requests")}
 _RATE_LIMIT_MESSAGE = (
     "Rate limit reached for gpt-4o in organization org-x on tokens per min (TPM): "
     "Limit 30000, Used 30000, Requested 1200. Please try again in 6.379s."
@@ -156,54 +113,8 @@ def stream_error_message(kind: str) -> str:
     return _RATE_LIMIT_MESSAGE if "rate_limit" in kind else f"In-stream error: {kind}"
 
 
-def retry_after_headers(seconds: float) -> dict[str, str]:
-    """Retry-After (whole seconds, rounded up, at least 1) and retry-after-ms (exact) for a wait."""
-    return {"retry-after": str(max(1, math.ceil(seconds))), "retry-after-ms": str(round(seconds * 1000))}
-
-
-def nearest_thousand(count: int) -> int:
-    """``count`` rounded to the nearest thousand (halves up), as Anthropic rounds token ``-remaining``."""
-    return (count + 500) // 1000 * 1000
-
-
 def _piece(index: int) -> str:
     return f"tok{index} "
-
-
-def openai_duration(seconds: float) -> str:
-    """A wait the way OpenAI's ``x-ratelimit-reset-*`` put it: ``0.25s``, ``1.5s``, ``6m0s``, ``1h2m3s``.
-
-    Rounded up to the millisecond, so a client that waits that long finds the window reset.
-    """
-    ms = max(0, math.ceil(seconds * 1000))
-    hours, ms = divmod(ms, 3_600_000)
-    minutes, ms = divmod(ms, 60_000)
-    secs = f"{ms / 1000:.3f}".rstrip("0").rstrip(".") + "s"
-    if hours:
-        return f"{hours}h{minutes}m{secs}"
-    return f"{minutes}m{secs}" if minutes else secs
-
-
-def _rfc3339(epoch: float) -> str:
-    """``epoch`` as RFC 3339 UTC with microseconds: ``2026-12-01T10:00:02.500000Z``."""
-    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-@dataclass(frozen=True)
-class WindowState:
-    """A key's window as one answer announces it, once that request was counted."""
-
-    limit: int
-    admitted: int
-    left: float
-
-    @property
-    def remaining(self) -> int:
-        return max(0, self.limit - self.admitted)
-
-    @property
-    def tokens_remaining(self) -> int:
-        return max(0, WINDOW_TOKENS - TOKENS_PER_REQUEST * self.admitted)
 
 
 @dataclass(frozen=True)
@@ -335,7 +246,7 @@ class Dialect(ABC):
         """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{tokens,requests}`` for the windows read."""
         headers: dict[str, str] = {}
         for reading in readings:
-            suffix = _OPENAI_WINDOWS[reading.window][0]
+            suffix = OPENAI_WINDOWS[reading.window][0]
             headers[f"x-ratelimit-limit-{suffix}"] = str(reading.limit)
             headers[f"x-ratelimit-remaining-{suffix}"] = str(reading.remaining)
             headers[f"x-ratelimit-reset-{suffix}"] = openai_duration(reading.reset_in)
@@ -343,7 +254,7 @@ class Dialect(ABC):
 
     def window_error_body(self, refusal: Refusal, model: str) -> dict[str, Any]:
         """OpenAI's 429 for a window: ``type`` tokens or requests, ``code`` rate_limit_exceeded."""
-        kind, short = _OPENAI_WINDOWS[refusal.window]
+        kind, short = OPENAI_WINDOWS[refusal.window]
         where = f"for {model} in organization {ORGANIZATION} on {kind} per min ({short})"
         if refusal.oversize:
             message = (f"Request too large {where}: Limit {refusal.limit}, Requested {refusal.requested}. "
@@ -465,7 +376,7 @@ class MessagesDialect(Dialect):
 
     def window_headers(self, window: WindowState, *, unified: bool) -> dict[str, str]:
         resets_at = time.time() + window.left
-        reset = _rfc3339(resets_at)
+        reset = rfc3339(resets_at)
         headers = {
             "anthropic-ratelimit-requests-limit": str(window.limit),
             "anthropic-ratelimit-requests-remaining": str(window.remaining),
@@ -487,9 +398,9 @@ class MessagesDialect(Dialect):
         now = time.time()
         tightest: tuple[int, int, str] | None = None
         for reading in readings:
-            name = _ANTHROPIC_WINDOWS[reading.window][0]
+            name = ANTHROPIC_WINDOWS[reading.window][0]
             remaining = reading.remaining if reading.window == REQUESTS else nearest_thousand(reading.remaining)
-            reset = _rfc3339(now + reading.reset_in)
+            reset = rfc3339(now + reading.reset_in)
             headers[f"anthropic-ratelimit-{name}-limit"] = str(reading.limit)
             headers[f"anthropic-ratelimit-{name}-remaining"] = str(remaining)
             headers[f"anthropic-ratelimit-{name}-reset"] = reset
@@ -504,7 +415,7 @@ class MessagesDialect(Dialect):
 
     def window_error_body(self, refusal: Refusal, model: str) -> dict[str, Any]:
         """Anthropic's 429 for a window, in its words: type rate_limit_error, the limit with thousands commas."""
-        what = _ANTHROPIC_WINDOWS[refusal.window][1]
+        what = ANTHROPIC_WINDOWS[refusal.window][1]
         message = (
             f"This request would exceed the rate limit for your organization ({ANTHROPIC_ORGANIZATION}) of "
             f"{refusal.limit:,} {what} per minute. For details, refer to: https://docs.claude.com/en/api/rate-limits. "
