@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import importlib
 import random
 import shutil
 import signal
@@ -276,7 +278,7 @@ class Agents:
             history = [_text_message("user", f"agent {index} session {session}: " + words(rng, 800))]
             for _ in range(TURNS_PER_SESSION):
                 messages = with_breakpoint(history)
-                reply = await self.turn(lambda: self._message(messages))
+                reply = await self.turn(functools.partial(self._message, messages))
                 history += [_text_message("assistant", reply or "ok"),
                             _text_message("user", f"tool result {len(history)}: " + words(rng, 800))]
                 await asyncio.sleep(rng.uniform(*THINK))
@@ -290,7 +292,7 @@ class Agents:
     async def _prompts(self, index: int, rng: random.Random) -> None:
         while True:
             prompt = f"agent {index}: " + words(rng, rng.randint(4000, 10000))
-            await self.turn(lambda: self._completion(prompt))
+            await self.turn(functools.partial(self._completion, prompt))
             await asyncio.sleep(rng.uniform(*THINK))
 
     async def _completion(self, prompt: str) -> str:
@@ -418,12 +420,9 @@ def run_arm(workload: Workload, arm: str, args: argparse.Namespace, workdir: Pat
 
 
 def windows_missing() -> str | None:
-    """Why this tree's slotproxy cannot hold token windows yet (None: it can)."""
-    from proxy.limiter.provider import ProviderLimiter
-
+    """Why this tree's slotproxy cannot hold token windows yet (None: it can): its relay never settles them."""
     relay = Path(__file__).resolve().parents[1] / "proxy" / "http"
-    if hasattr(ProviderLimiter, "settle_windows") and any(
-            "settle_windows" in path.read_text() for path in relay.glob("*.py")):
+    if any("settle_windows" in path.read_text() for path in relay.glob("*.py")):
         return None
     return ("this tree's slotproxy does not hold token windows yet (its relay never settles them): the windows "
             "and whole arms need issue 34's relay wiring; run --arms direct,plain meanwhile")
@@ -475,8 +474,8 @@ def serve_whole_prompt(argv: list[str]) -> int:
 
     estimate.Estimator._mirror = lambda self, *args, **kwargs: (0.0, None)  # type: ignore[method-assign]
     estimate.Estimator.actual_for = staticmethod(whole)  # type: ignore[assignment]
-    import proxy.http.relay  # noqa: F401  (every module that took actual_for by name, loaded before the swap)
-    import proxy.http.runtime  # noqa: F401
+    for loaded in ("proxy.http.relay", "proxy.http.runtime"):  # the modules that may take actual_for by name
+        importlib.import_module(loaded)
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").startswith("proxy.") and getattr(module, "actual_for", None) is counted:
             module.actual_for = whole  # type: ignore[attr-defined]
@@ -524,8 +523,8 @@ def report(results: Sequence[Result], args: argparse.Namespace, command: str) ->
     import openai
 
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    lines = [f"`{command}` ({when}); {args.agents} agents, {args.duration:g} s per arm; "
-             f"fake: `--itpm {args.itpm}` (cached), `--tpm {args.tpm}` (plain), one key, one model.",
+    lines = [(f"`{command}` ({when}); {args.agents} agents, {args.duration:g} s per arm; "
+              f"fake: `--itpm {args.itpm}` (cached), `--tpm {args.tpm}` (plain), one key, one model."),
              "Machine: " + machine_note(f"anthropic {anthropic.__version__}", f"openai {openai.__version__}")
              + "; shared, noisy.", ""]
     for name in args.workloads:
