@@ -1232,3 +1232,32 @@ async def test_a_proxy_without_windows_shows_no_window_section(start_upstream, s
     card = page.locator('[data-provider="openai"]')
     await expect(card.locator('[data-field="limit"]')).to_have_text("unlimited")
     await expect(card.locator('[data-field="windows"]')).to_be_hidden()
+
+
+async def test_a_window_shows_its_ratio_estimate_errors_and_where_its_limit_came_from(
+    start_upstream, start_proxy, page, monkeypatch
+) -> None:
+    """The estimator's fields (null until answers come) and a limit learned from the headers, as the status
+    says them once requests have been answered."""
+    monkeypatch.setenv("SP_DASH_KEY_A", "key-a")
+    upstream = await start_upstream()
+    proxy = await start_proxy(WINDOWS_YAML.format(upstream=upstream.url))
+    lease = await proxy.state.backend.acquire("anthropic", Priority(time.time()), model="claude-sonnet-4-5",
+                                              cost={"input_tokens_per_minute": 100}, group="claude-sonnet-*")
+    lease.release()
+
+    async def answered(route: Any) -> None:
+        response = await route.fetch()
+        body = await response.json()
+        for provider in body["providers"]:
+            for window in provider.get("windows") or []:
+                window.update(source="both", ratio=0.3125, estimate_error_p50=-0.04, estimate_error_p90=0.12)
+        await route.fulfill(response=response, json=body)
+
+    await page.route("**/_slotproxy/status", answered)
+    await open_dashboard(page, proxy)
+    row = page.locator('[data-provider="anthropic"] [data-window="input_tokens_per_minute"]')
+    await expect(row.locator('[data-field="window-ratio"]')).to_have_text("0.31 tokens/byte")
+    await expect(row.locator('[data-field="window-error"]')).to_have_text("estimates off by −4% (p50) +12% (p90)")
+    await expect(row.locator('[data-field="window-source"]')).to_have_text(
+        "limit: the smaller of the config's and the headers'")
