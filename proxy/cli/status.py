@@ -61,14 +61,23 @@ class _Clock:
         return f"{self.time_of(ms)} ({relative})"
 
 
-def _glyphs() -> tuple[str, str]:
-    """The star and the ellipsis, where stdout can print them."""
+def _printable(text: str) -> bool:
     encoding = getattr(sys.stdout, "encoding", None) or "ascii"
     try:
-        "★…".encode(encoding)
+        text.encode(encoding)
     except (UnicodeEncodeError, LookupError):
-        return "*", "..."
-    return "★", "…"
+        return False
+    return True
+
+
+def _glyphs() -> tuple[str, str]:
+    """The star and the ellipsis, where stdout can print them."""
+    return ("★", "…") if _printable("★…") else ("*", "...")
+
+
+def _bar_glyphs() -> tuple[str, str]:
+    """A window bar's full and empty cells, where stdout can print them."""
+    return ("█", "░") if _printable("█░") else ("#", ".")
 
 
 def _cell(value: object) -> str:
@@ -155,6 +164,7 @@ def format_status(status: dict[str, Any], *, now_ms: float | None = None, skew_m
         for who, budget in budgets:
             if budget:
                 lines.append(f"  {who} budget: {_budget(budget, clock)}")
+    lines += _windows(providers)
     lines += _backend_and_config(status, clock)
 
     for p in providers:
@@ -186,6 +196,60 @@ def _budget(budget: dict[str, Any], clock: _Clock) -> str:
     if budget.get("reset_at") is not None:
         parts.append(f"resets {clock.when(budget['reset_at'])}")
     return ", ".join(parts) or "none reported yet"
+
+
+WINDOW_BAR = 8
+"""Cells in a window's bar (``slotproxy status``)."""
+
+
+def _windows(providers: list[dict[str, Any]]) -> list[str]:
+    """A line per token window: whose it is, its fill as a bar, and what it holds; labels aligned."""
+    rows = []
+    for p in providers:
+        owners = [(str(p.get("provider")), p.get("windows"))]
+        owners += [(f"{p.get('provider')} key {k.get('name')}", k.get("windows")) for k in p.get("keys") or []]
+        for who, windows in owners:
+            for window in windows or []:
+                if isinstance(window, dict):
+                    rows.append((f"{who} {window.get('group')} {window.get('window')}", window))
+    if not rows:
+        return []
+    full, empty = _bar_glyphs()
+    width = max(len(label) for label, _ in rows)
+    return [f"  {label.ljust(width)}  {_window_fill(window, full, empty)}" for label, window in rows]
+
+
+def _window_fill(window: dict[str, Any], full: str, empty: str) -> str:
+    """``████░░░░ 312,000/450,000 available, 2 held, 0 hits`` and, where known, the rest."""
+    available, limit = window.get("available"), window.get("limit")
+    if isinstance(limit, (int, float)) and limit > 0 and isinstance(available, (int, float)):
+        cells = round(min(1.0, max(0.0, available / limit)) * WINDOW_BAR)
+        parts = [f"{full * cells}{empty * (WINDOW_BAR - cells)} {_count(available)}/{_count(limit)} available"]
+    else:
+        parts = [f"{empty * WINDOW_BAR} {_count(available)} available, no limit now"]
+    if window.get("reserved"):
+        parts.append(f"{_count(window['reserved'])} reserved")
+    held, held_total = int(window.get("held") or 0), int(window.get("held_total") or 0)
+    parts.append(f"{held:,} held" + (f" ({held_total:,} so far)" if held_total > held else ""))
+    parts.append(f"{int(window.get('hits') or 0):,} hits")
+    if window.get("source") in ("headers", "both"):
+        parts.append("limit from the answers' headers" if window["source"] == "headers"
+                     else "limit from config and headers (the smaller)")
+    if window.get("ratio") is not None:
+        parts.append(f"{window['ratio']:.2f} tokens/byte")
+    errors = [(q, window.get(f"estimate_error_{q}")) for q in ("p50", "p90")]
+    if any(value is not None for _, value in errors):
+        parts.append("estimates off by " + " ".join(f"{_percent(value)} ({q})" for q, value in errors
+                                                    if value is not None))
+    return ", ".join(parts)
+
+
+def _count(value: object) -> str:
+    return f"{int(value):,}" if isinstance(value, (int, float)) else "-"
+
+
+def _percent(value: float) -> str:
+    return f"{value * 100:+.0f}%"
 
 
 def _backend_and_config(status: dict[str, Any], clock: _Clock) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
@@ -36,6 +37,7 @@ from prometheus_client.utils import floatToGoString
 
 from ..ledger.store import TOKEN_COLUMNS, LedgerRow
 from ..limiter import ProviderStatus
+from ..limiter.window import OTHER_GROUP
 from .heap import process_pauses
 
 __all__ = ["CONTENT_TYPE", "HOST_FILES_ENV", "PUBLISH_EVERY", "Metrics", "worker_gone"]
@@ -175,6 +177,7 @@ class _SnapshotCollector(Collector):
             "in_flight": GaugeMetricFamily("slotproxy_model_in_flight", "Slots held under one model cap", labels=["provider", "model"]),
             "limit": GaugeMetricFamily("slotproxy_model_limit", "Limit of one model cap (NaN when unlimited)", labels=["provider", "model"]),
         }
+        windows = _WindowFamilies()
         reductions = CounterMetricFamily("slotproxy_auto_reductions", "Limit reductions after upstream backoffs", labels=["provider"])
         reclaims = CounterMetricFamily(_RECLAIMS.name, _RECLAIMS.help, labels=_RECLAIMS.labels)
         websockets = GaugeMetricFamily(_WEBSOCKETS.name, _WEBSOCKETS.help, labels=_WEBSOCKETS.labels)
@@ -199,9 +202,11 @@ class _SnapshotCollector(Collector):
                 model_labels = [status.provider, model.pattern]
                 per_model["in_flight"].add_metric(model_labels, model.in_flight)
                 per_model["limit"].add_metric(model_labels, float("nan") if model.limit is None else model.limit)
+            windows.add(status)
         yield from gauges.values()
         yield from per_key.values()
         yield from per_model.values()
+        yield from windows.families()
         yield reductions
         if not self._per_replica:
             return
@@ -212,6 +217,64 @@ class _SnapshotCollector(Collector):
             labels, value = _degraded(self._backend())
             degraded.add_metric(labels, value)
             yield degraded
+
+
+class _WindowFamilies:
+    """The token windows of every provider and key, one series per (provider, key, group, window).
+
+    The ``group`` label is the ``models`` pattern a window's model group is, else ``other``: a model a client
+    named is never a label value. Several groups outside every pattern share ``other``: its available room
+    and limit are those of the one with the least room left, and its counts add up."""
+
+    def __init__(self) -> None:
+        labels = ["provider", "key", "group", "window"]
+        self.available = GaugeMetricFamily(
+            "slotproxy_window_available", "Tokens (or requests) a token window holds now", labels=labels)
+        self.limit = GaugeMetricFamily(
+            "slotproxy_window_limit", "Per-minute limit of a token window, as configured or learned (NaN when none)",
+            labels=labels)
+        self.held = CounterMetricFamily(
+            "slotproxy_window_held", "Requests that waited on a token window", labels=labels)
+        self.hits = CounterMetricFamily(
+            "slotproxy_window_hits", "Upstream 429s that named a token window", labels=labels)
+
+    def add(self, status: ProviderStatus) -> None:
+        patterns = {model.pattern for model in status.models}
+        owners = [("", status.windows)] + [(key.name, key.windows) for key in status.keys]
+        series: dict[tuple[str, str, str, str], list[float]] = {}
+        for key, windows in owners:
+            for window in windows or ():
+                group = str(window.get("group"))
+                labels = (status.provider, key, group if group in patterns else OTHER_GROUP, str(window.get("window")))
+                reading = _reading(window)
+                seen = series.setdefault(labels, reading)
+                if seen is reading:
+                    continue
+                if _room(reading) < _room(seen):
+                    seen[0], seen[1] = reading[0], reading[1]
+                seen[2] += reading[2]
+                seen[3] += reading[3]
+        for labels, (available, limit, held, hits) in series.items():
+            self.available.add_metric(labels, available)
+            self.limit.add_metric(labels, limit)
+            self.held.add_metric(labels, held)
+            self.hits.add_metric(labels, hits)
+
+    def families(self) -> tuple[Metric, ...]:
+        return self.available, self.limit, self.held, self.hits
+
+
+def _reading(window: dict[str, Any]) -> list[float]:
+    """A status row's available, limit (NaN: none now), held_total and hits."""
+    limit = window.get("limit")
+    return [float(window.get("available") or 0), math.nan if limit is None else float(limit),
+            float(window.get("held_total") or 0), float(window.get("hits") or 0)]
+
+
+def _room(reading: list[float]) -> float:
+    """The share of a window's limit still there (its available room when it has no limit)."""
+    available, limit = reading[0], reading[1]
+    return available / limit if limit > 0 else available
 
 
 def _degraded(info: dict[str, object]) -> tuple[list[str], int]:

@@ -374,10 +374,10 @@ class WindowBook:
     def hit(self, key: str | None, group: str, window: str, until: float, now: float) -> None:
         """A 429 named this window: it is counted, and empty until ``until``."""
         wid = (key, group, window)
-        self._hits[wid] = self._hits.get(wid, 0) + 1
         entry = self._window(key, group, window, now)
+        self._hits[wid] = hits = self._hits.get(wid, 0) + 1
         if entry is not None:
-            entry.hits += 1
+            entry.hits = hits
             entry.bucket.empty_until(until, now)
 
     def correct(self, key: str | None, group: str, window: str, remaining: float, now: float,

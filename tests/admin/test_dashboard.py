@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 
 from proxy.admin import history
+from proxy.limiter import Priority
 
 from ..conftest import chat, provider_yaml, wait_until
 
@@ -1145,3 +1146,118 @@ async def test_usage_panel_shows_the_fleet_and_keeps_its_last_answer_when_a_poll
     # A proxy from before the usage route: no panel.
     answer.update(status=404, message="not found")
     await expect(panel).to_be_hidden()
+
+
+WINDOWS_YAML = """
+state: {{path: null}}
+providers:
+  anthropic:
+    upstream: {upstream}
+    auth: x-api-key
+    limit: 8
+    queue_timeout: 30
+    windows: {{input_tokens_per_minute: 6000}}
+    models: {{"claude-sonnet-*": {{limit: 4}}}}
+  openai:
+    upstream: {upstream}/v1
+    keys:
+      - {{name: team-a, api_key_env: SP_DASH_KEY_A, windows: {{tokens_per_minute: 90000}}}}
+"""
+
+
+async def test_token_windows_show_as_bars_with_their_room_waiters_and_hits(
+    start_upstream, start_proxy, client, page, shot, monkeypatch
+) -> None:
+    monkeypatch.setenv("SP_DASH_KEY_A", "key-a")
+    upstream = await start_upstream()
+    proxy = await start_proxy(WINDOWS_YAML.format(upstream=upstream.url))
+    backend = proxy.state.backend
+    # What a relayed request takes when it is sent: a sonnet request's estimated 5,400 input tokens of 6,000,
+    # and a gpt-5 request's 30,000 tokens of team-a's 90,000.
+    sonnet = await backend.acquire("anthropic", Priority(time.time()), model="claude-sonnet-4-5",
+                                   cost={"input_tokens_per_minute": 5400}, group="claude-sonnet-*")
+    gpt = await backend.acquire("openai", Priority(time.time()), model="gpt-5",
+                                cost={"tokens_per_minute": 30000}, group="gpt-5")
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="anthropic"]')
+    windows = card.locator('[data-field="windows"]').first
+    row = windows.locator('[data-group="claude-sonnet-*"][data-window="input_tokens_per_minute"]')
+    await expect(row).to_contain_text("input tokens per minute")
+    await expect(row.locator('[data-field="window-limit"]')).to_have_text("6,000")
+    await expect(row.locator('[data-field="window-available"]')).to_have_text(re.compile(r"^[67]\d\d$"))
+    await expect(row.locator('[data-field="window-reserved"]')).to_have_text("5,400 reserved")
+    await expect(row.locator('[data-field="window-source"]')).to_have_text("limit from the config")
+    await expect(row.locator('[data-field="window-held"]')).to_have_text("none waiting")
+    await expect(row.locator('[data-field="window-hits"]')).to_have_text("0 hits")
+    bar = row.locator('[data-field="window-bar"]')
+    await expect(bar).to_have_attribute("aria-valuemax", "6000")
+    assert 600 <= int(await bar.get_attribute("aria-valuenow") or 0) < 6000
+    width = await bar.locator("span").evaluate("node => node.getBoundingClientRect().width / node.parentNode.getBoundingClientRect().width")
+    assert 0.09 < width < 0.3, "the bar is the room left: a tenth and a bit, refilling"
+    await shot("1-window-in-use")
+
+    # The next sonnet request asks 2,000: it waits on the window, which the bar says in the waiters' colour.
+    held = asyncio.create_task(backend.acquire("anthropic", Priority(time.time()), model="claude-sonnet-4-5",
+                                               cost={"input_tokens_per_minute": 2000}, group="claude-sonnet-*"))
+    await expect(row.locator('[data-field="window-held"]')).to_have_text("1 waiting on it")
+    await expect(bar).to_have_class(re.compile(r"\bheld\b"))
+    # A 429 that names the window: a hit, and the window is empty until the provider's wait is over.
+    backend.report_window_hit("anthropic", None, "claude-sonnet-*", "input_tokens_per_minute", time.time() + 30)
+    await expect(row.locator('[data-field="window-hits"]')).to_have_text("1 hit")
+    await expect(row.locator('[data-field="window-available"]')).to_have_text("0")
+    await expect(bar).to_have_attribute("aria-valuetext", "0 of 6,000 available")
+    await shot("2-window-holds-a-waiter-after-a-hit")
+    held.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await held
+    await expect(row.locator('[data-field="window-held"]')).to_have_text("none waiting")
+
+    # A pool's windows are on its keys' rows, not on the card.
+    pool = page.locator('[data-provider="openai"]')
+    await expect(pool.locator('.card > [data-field="windows"], article > [data-field="windows"]')).to_be_hidden()
+    key_row = pool.locator('[data-key="team-a"] [data-window="tokens_per_minute"]')
+    await expect(key_row.locator('[data-field="window-limit"]')).to_have_text("90,000")
+    await expect(key_row.locator('[data-field="window-reserved"]')).to_have_text("30,000 reserved")
+    await expect(key_row).to_have_attribute("data-group", "gpt-5")
+    await shot("3-key-window")
+    sonnet.release()
+    gpt.release()
+    await expect(key_row.locator('[data-field="window-reserved"]')).to_have_text("0 reserved")
+
+
+async def test_a_proxy_without_windows_shows_no_window_section(start_upstream, start_proxy, page) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream))
+    await open_dashboard(page, proxy)
+    card = page.locator('[data-provider="openai"]')
+    await expect(card.locator('[data-field="limit"]')).to_have_text("unlimited")
+    await expect(card.locator('[data-field="windows"]')).to_be_hidden()
+
+
+async def test_a_window_shows_its_ratio_estimate_errors_and_where_its_limit_came_from(
+    start_upstream, start_proxy, page, monkeypatch
+) -> None:
+    """The estimator's fields (null until answers come) and a limit learned from the headers, as the status
+    says them once requests have been answered."""
+    monkeypatch.setenv("SP_DASH_KEY_A", "key-a")
+    upstream = await start_upstream()
+    proxy = await start_proxy(WINDOWS_YAML.format(upstream=upstream.url))
+    lease = await proxy.state.backend.acquire("anthropic", Priority(time.time()), model="claude-sonnet-4-5",
+                                              cost={"input_tokens_per_minute": 100}, group="claude-sonnet-*")
+    lease.release()
+
+    async def answered(route: Any) -> None:
+        response = await route.fetch()
+        body = await response.json()
+        for provider in body["providers"]:
+            for window in provider.get("windows") or []:
+                window.update(source="both", ratio=0.3125, estimate_error_p50=-0.04, estimate_error_p90=0.12)
+        await route.fulfill(response=response, json=body)
+
+    await page.route("**/_slotproxy/status", answered)
+    await open_dashboard(page, proxy)
+    row = page.locator('[data-provider="anthropic"] [data-window="input_tokens_per_minute"]')
+    await expect(row.locator('[data-field="window-ratio"]')).to_have_text("0.31 tokens/byte")
+    await expect(row.locator('[data-field="window-error"]')).to_have_text("estimates off by −4% (p50) +12% (p90)")
+    await expect(row.locator('[data-field="window-source"]')).to_have_text(
+        "limit: the smaller of the config's and the headers'")

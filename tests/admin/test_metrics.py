@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.limiter import Priority
 
 from ..conftest import chat, provider_yaml, wait_until
 
@@ -129,3 +133,51 @@ async def test_answers_are_counted_under_their_provider_once_it_is_known(start_u
         (("provider", "openai"), ("status", "499")): 1,
         (("provider", "openai"), ("status", "200")): 1,
     }, "the client that left while queued is a 499; the unknown provider adds no label value"
+
+
+WINDOWS_YAML = """
+state: {{path: null}}
+providers:
+  anthropic:
+    upstream: {upstream}/v1
+    auth: x-api-key
+    limit: 8
+    queue_timeout: 30
+    windows: {{input_tokens_per_minute: 6000}}
+    models: {{"claude-sonnet-*": {{limit: 4}}}}
+"""
+
+
+async def test_token_windows_are_scraped_from_the_status_snapshot(start_upstream, start_proxy, client) -> None:
+    """A sonnet request takes 5,000 of 6,000 input tokens; the next, asking 2,000, waits on the window; a haiku
+    request's 429 naming its window is a hit. The series carry the pattern, or ``other``, never the model."""
+    upstream = await start_upstream()
+    proxy = await start_proxy(WINDOWS_YAML.format(upstream=upstream.url))
+    backend = proxy.state.backend
+    sent = await backend.acquire("anthropic", Priority(time.time()), model="claude-sonnet-4-5",
+                                 cost={"input_tokens_per_minute": 5000}, group="claude-sonnet-*")
+    held = asyncio.create_task(backend.acquire("anthropic", Priority(time.time()), model="claude-sonnet-4-5",
+                                               cost={"input_tokens_per_minute": 2000}, group="claude-sonnet-*"))
+    await wait_until(lambda: proxy.status("anthropic")["queued"] == 1, what="a request held by the window")
+    haiku = await backend.acquire("anthropic", Priority(time.time()), model="claude-haiku-4-5",
+                                  cost={"input_tokens_per_minute": 100}, group="claude-haiku-4-5")
+    backend.report_window_hit("anthropic", None, "claude-haiku-4-5", "input_tokens_per_minute", time.time() + 30)
+    haiku.release()
+    async with client.get(f"{proxy.url}/metrics") as resp:
+        text = await resp.text()
+    held.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await held
+    sent.release()
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert (families["slotproxy_window_available"].type, families["slotproxy_window_held"].type) == ("gauge", "counter")
+    samples = {(s.name, s.labels["group"]): s.value for family in families.values() for s in family.samples
+               if s.name.startswith("slotproxy_window_")
+               and (s.labels["provider"], s.labels["key"], s.labels["window"]) == ("anthropic", "", "input_tokens_per_minute")}
+    assert 1000 <= samples[("slotproxy_window_available", "claude-sonnet-*")] < 1100, "refilled 100 a second"
+    assert samples[("slotproxy_window_limit", "claude-sonnet-*")] == 6000
+    assert samples[("slotproxy_window_held_total", "claude-sonnet-*")] == 1
+    assert samples[("slotproxy_window_hits_total", "claude-sonnet-*")] == 0
+    assert samples[("slotproxy_window_available", "other")] == 0, "the hit emptied haiku's window"
+    assert samples[("slotproxy_window_hits_total", "other")] == 1
+    assert {group for _, group in samples} == {"claude-sonnet-*", "other"}

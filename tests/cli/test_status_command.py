@@ -9,6 +9,7 @@ exit 2. The status documents here are built by the tests, in the shape ``GET /_s
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -318,3 +319,62 @@ def test_a_limit_set_by_hand_relayed_429s_and_a_missing_config_file_are_said(utc
     assert "  anthropic: 21 upstream 429s relayed to clients" in text
     assert "! config: the file has been missing since 07:50:57" in text
     assert "set by hand" not in format_status(document(), now_ms=NOW)
+
+
+# --- token windows -----------------------------------------------------------------------------------
+
+
+def window(group: str, name: str, limit: int | None, available: int, **fields: Any) -> dict[str, Any]:
+    """A ``windows`` entry as ``GET /_slotproxy/status`` answers it (the estimator's fields unknown yet)."""
+    return {"group": group, "window": name, "limit": limit, "source": "config", "available": available,
+            "reserved": 0, "held": 0, "held_total": 0, "hits": 0, "ratio": None, "estimate_error_p50": None,
+            "estimate_error_p90": None, **fields}
+
+
+def windowed() -> dict[str, Any]:
+    doc = document()
+    openai, anthropic = doc["providers"]
+    openai["keys"][0]["windows"] = [window("gpt-5*", "tokens_per_minute", 2_000_000, 2_000_000)]
+    anthropic["windows"] = [
+        window("claude-sonnet-4-5", "input_tokens_per_minute", 450_000, 312_000, reserved=24_000, held=2,
+               held_total=14, ratio=0.312, estimate_error_p50=0.03, estimate_error_p90=0.18),
+        window("claude-sonnet-4-5", "output_tokens_per_minute", 90_000, 0, hits=3, source="both"),
+    ]
+    return doc
+
+
+def test_each_token_window_is_a_line_with_its_fill(utc) -> None:
+    lines = format_status(windowed(), now_ms=NOW).splitlines()
+    windows = [line for line in lines if "_per_minute" in line]
+    assert windows == [
+        ("  openai key team-a gpt-5* tokens_per_minute            ████████ 2,000,000/2,000,000 available, "
+         "0 held, 0 hits"),
+        ("  anthropic claude-sonnet-4-5 input_tokens_per_minute   ██████░░ 312,000/450,000 available, "
+         "24,000 reserved, 2 held (14 so far), 0 hits, 0.31 tokens/byte, estimates off by +3% (p50) +18% (p90)"),
+        ("  anthropic claude-sonnet-4-5 output_tokens_per_minute  ░░░░░░░░ 0/90,000 available, 0 held, "
+         "3 hits, limit from config and headers (the smaller)"),
+    ]
+    budget = next(i for i, line in enumerate(lines) if " budget: " in line)
+    config = next(i for i, line in enumerate(lines) if line.startswith("config "))
+    assert lines[budget + 1:config] == windows
+
+
+def test_without_windows_no_window_line(utc) -> None:
+    assert "per_minute" not in format_status(document(), now_ms=NOW)
+
+
+def test_window_bars_fall_back_to_ascii(utc, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
+    text = format_status(windowed(), now_ms=NOW)
+    assert "  anthropic claude-sonnet-4-5 output_tokens_per_minute  ........ 0/90,000 available" in text
+    assert "######.. 312,000/450,000 available" in text
+    for line in text.splitlines():
+        if "_per_minute" in line:
+            line.encode("ascii")
+
+
+def test_a_window_whose_limit_went_away_says_so(utc) -> None:
+    doc = document()
+    doc["providers"][1]["windows"] = [window("other", "requests_per_minute", None, 40)]
+    assert "  anthropic other requests_per_minute  ░░░░░░░░ 40 available, no limit now, 0 held, 0 hits" in \
+        format_status(doc, now_ms=NOW).splitlines()

@@ -160,6 +160,14 @@ def test_learning_off_ignores_the_headers() -> None:
     assert book.limits_for(None, "g") == {ITPM: 1000}
 
 
+def test_the_first_hit_on_a_window_not_made_yet_counts_once() -> None:
+    book = WindowBook(WindowSettings(provider={ITPM: 1000}))
+    book.hit(None, "g", ITPM, T0 + 30, T0)
+    book.hit(None, "g", ITPM, T0 + 30, T0)
+    (row,) = [row for row in book.status(None, now=T0) if row["window"] == ITPM]
+    assert row["hits"] == 2
+
+
 # ----- admission -------------------------------------------------------------------------------------------------
 
 
