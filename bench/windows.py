@@ -26,6 +26,9 @@ Each workload runs four arms, each with a fresh fake (and a fresh slotproxy):
              reads counted. An ablation, made by a stand-in in the measured process
              (``--serve-whole``), not a configuration anyone should run.
 
+One more arm runs when ``--arms`` names it: ``learned``, slotproxy with
+``windows: {}``, the limit learned from the first answer's ``*-limit`` headers.
+
 Every arm's agents are the same: an SDK call per turn, a short "tool run"
 (``THINK``) between turns; a 429 the SDK gives up on is counted, waited out
 (its Retry-After, else 1 s) and the turn sent again. Reported per arm, at the
@@ -90,8 +93,10 @@ ARMS = {
     "plain": "slotproxy, no windows",
     "windows": "slotproxy, windows",
     "whole": "slotproxy, windows, whole prompt counted (ablation)",
+    "learned": "slotproxy, windows learned from the answers",
 }
-WINDOW_ARMS = ("windows", "whole")
+DEFAULT_ARMS = ("direct", "plain", "windows", "whole")
+WINDOW_ARMS = ("windows", "whole", "learned")
 API_KEY = "sk-bench-windows"
 THINK = (0.1, 0.4)  # seconds an agent "runs tools" between two turns
 START_SPREAD = 0.2  # the agents start within this many seconds: sessions started together
@@ -167,13 +172,14 @@ class Workload:
         """The provider's upstream, as its SDK's base URL lacks or carries /v1."""
         return f"http://{HOST}:{fake_port}" + ("/v1" if self.provider == "openai" else "")
 
-    def proxy_yaml(self, fake_port: int, limit: int | None) -> str:
+    def proxy_yaml(self, fake_port: int, windows: str | None) -> str:
+        """The proxy's config; ``windows`` is the provider's ``windows:`` value (None: no windows)."""
         lines = ["state: {path: null}", "ledger: {path: null}", "providers:", f"  {self.provider}:",
                  f"    upstream: {self.upstream(fake_port)}", f"    limit: {PROXY_LIMIT}"]
         if self.provider == "anthropic":
             lines.append("    auth: x-api-key")
-        if limit is not None:
-            lines.append(f"    windows: {{{self.window}: {limit}}}")
+        if windows is not None:
+            lines.append(f"    windows: {windows}")
         return "\n".join(lines) + "\n"
 
 
@@ -367,7 +373,8 @@ def start_fake(procs: Processes, name: str, workload: Workload, limit: int) -> i
 
 def start_proxy(procs: Processes, name: str, arm: str, workload: Workload, fake_port: int, limit: int) -> int:
     port = free_port()
-    text = workload.proxy_yaml(fake_port, None if arm == "plain" else limit)
+    windows = {"plain": None, "learned": "{}"}.get(arm, f"{{{workload.window}: {limit}}}")
+    text = workload.proxy_yaml(fake_port, windows)
     if arm != "whole":
         start_serve(procs, name, port, text)
         return port
@@ -511,6 +518,12 @@ def target_rows(results: Sequence[Result]) -> Iterator[tuple[str, str, str, bool
             ratio = held.turns_per_min / whole.turns_per_min if whole.turns_per_min else float("inf")
             yield (f"turns/min, {workload}, windows ÷ whole prompt", f"{ratio:.1f}×", f"≥ {TARGET_ABLATION_RATIO:g}×",
                    ratio >= TARGET_ABLATION_RATIO)
+        learned = by.get((workload, "learned"))
+        if learned is not None:
+            yield (f"upstream 429s, {workload}, learned windows", str(learned.upstream_429), "0",
+                   learned.upstream_429 == 0)
+            yield (f"utilisation, {workload}, learned windows", fmt(learned.utilisation, 3),
+                   f"≥ {TARGET_UTILISATION}", learned.utilisation >= TARGET_UTILISATION)
         direct = by.get((workload, "direct"))
         if direct is not None:
             mine, theirs = pct(held.turns, 50), pct(direct.turns, 50)
@@ -562,7 +575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--itpm", type=int, default=60_000, help="the cached workload's input window")
     parser.add_argument("--tpm", type=int, default=150_000, help="the plain workload's tokens window")
     parser.add_argument("--workloads", type=names(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--arms", type=names(ARMS), default=list(ARMS))
+    parser.add_argument("--arms", type=names(ARMS), default=list(DEFAULT_ARMS),
+                        help=f"of {','.join(ARMS)} (default: {','.join(DEFAULT_ARMS)})")
     parser.add_argument("--logs", type=Path, help="keep the servers' logs and configs in this folder")
     args = parser.parse_args(argv)
     if set(args.arms) & set(WINDOW_ARMS):
