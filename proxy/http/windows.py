@@ -21,11 +21,13 @@ from ..providers.estimate import Estimate, Estimator, actual_for
 from ..providers.model_name import request_model
 from ..providers.tokens import TokenCounts
 from ..providers.window_signals import (
+    HEADER_NAMES,
     Dialect,
     most_remaining,
     window_hit,
     window_limits,
     window_remaining,
+    window_room,
 )
 
 __all__ = ["SETTLE_RULES", "Windowing", "parsed_request"]
@@ -37,11 +39,14 @@ SETTLE_RULES: dict[str, dict[str, str]] = {
 """How each provider reconciles its windows with an answer's usage (``window.SETTLE_RULES``); a window not
 named here (requests) keeps what it was charged."""
 
+_ANNOUNCED_KEPT = 1024
+
 
 class Windowing:
     """One provider's windows as the relay sees them; the estimator outlives config reloads."""
 
-    __slots__ = ("dialect", "estimator", "headroom", "keys", "learn", "patterns", "provider", "rules")
+    __slots__ = ("announced", "dialect", "estimator", "header_names", "headroom", "keys", "learn", "patterns",
+                 "provider", "rules")
 
     def __init__(self, provider: str, dialect: Dialect, *, patterns: tuple[str, ...], keys: tuple[str, ...],
                  learn: bool, headroom: float, estimator: Estimator | None = None) -> None:
@@ -55,6 +60,9 @@ class Windowing:
         self.headroom = headroom
         self.estimator = estimator or Estimator()
         self.rules = SETTLE_RULES[dialect]
+        self.header_names = HEADER_NAMES[dialect]
+        self.announced: dict[tuple[str | None, str], dict[str, int]] = {}
+        """The limits last announced for each (key, group): an answer repeating them reports nothing."""
 
     def group(self, model: str | None) -> str:
         """The model group: the ``models`` pattern the model matches, else the model name (none: other)."""
@@ -86,16 +94,26 @@ class Windowing:
                  sent_at: float) -> None:
         """An answer's headers (any status): the limits it announces (with ``learn``), and the room left,
         which only ever lowers the room believed (Anthropic's rounding to the thousand allowed for)."""
+        picked = {}
+        for name in self.header_names:  # the answer's headers are case-insensitive: no need to fold them all
+            value = headers.get(name)
+            if value is not None:
+                picked[name] = value
+        if not picked:
+            return
         provider, dialect = self.provider, self.dialect
         if self.learn:
-            limits = window_limits(dialect, headers)
-            if limits:
+            limits = window_limits(dialect, picked)
+            if limits and self.announced.get((key, group)) != limits:
+                if len(self.announced) >= _ANNOUNCED_KEPT:
+                    self.announced.clear()
+                self.announced[(key, group)] = limits
                 backend.report_window_limits(provider, key, group, limits)
-        room = window_remaining(dialect, headers, time.time())
+        room = window_room(dialect, picked)
         if room:
             backend.report_window_remaining(
-                provider, key, group,
-                {window: most_remaining(dialect, window, left) for window, (left, _) in room.items()}, sent_at)
+                provider, key, group, {window: most_remaining(dialect, window, left) for window, left in room.items()},
+                sent_at)
 
     def hit(self, backend: Backend, key: str | None, group: str, status: int, headers: Mapping[str, str],
             body: bytes | str | None, wait: float | None) -> str | None:
