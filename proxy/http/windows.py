@@ -17,17 +17,18 @@ from ..backends import Backend
 from ..config.windows import DIALECT_WINDOWS
 from ..limiter import SlotLease, policy
 from ..limiter.window import OTHER_GROUP
+from ..providers.budgets import header_count
 from ..providers.estimate import Estimate, Estimator, actual_for
 from ..providers.model_name import request_model
 from ..providers.tokens import TokenCounts
 from ..providers.window_signals import (
     HEADER_NAMES,
+    REMAINING_HEADERS,
     Dialect,
     most_remaining,
     window_hit,
     window_limits,
     window_remaining,
-    window_room,
 )
 
 __all__ = ["SETTLE_RULES", "Windowing", "parsed_request"]
@@ -39,14 +40,17 @@ SETTLE_RULES: dict[str, dict[str, str]] = {
 """How each provider reconciles its windows with an answer's usage (``window.SETTLE_RULES``); a window not
 named here (requests) keeps what it was charged."""
 
-_ANNOUNCED_KEPT = 1024
+_KEPT = 1024
+"""(key, group) pairs remembered at most (groups come from the models clients name)."""
+_REPORT_AGAIN = 30.0
+"""Unchanged limits are reported again after this long (the limiter may have forgotten an idle group's)."""
 
 
 class Windowing:
     """One provider's windows as the relay sees them; the estimator outlives config reloads."""
 
-    __slots__ = ("announced", "dialect", "estimator", "header_names", "headroom", "keys", "learn", "patterns",
-                 "provider", "rules")
+    __slots__ = ("announced", "applies", "dialect", "estimator", "header_names", "headroom", "keys", "learn",
+                 "limit_headers", "patterns", "provider", "remaining_headers", "rules")
 
     def __init__(self, provider: str, dialect: Dialect, *, patterns: tuple[str, ...], keys: tuple[str, ...],
                  learn: bool, headroom: float, estimator: Estimator | None = None) -> None:
@@ -61,8 +65,15 @@ class Windowing:
         self.estimator = estimator or Estimator()
         self.rules = SETTLE_RULES[dialect]
         self.header_names = HEADER_NAMES[dialect]
-        self.announced: dict[tuple[str | None, str], dict[str, int]] = {}
-        """The limits last announced for each (key, group): an answer repeating them reports nothing."""
+        self.remaining_headers = REMAINING_HEADERS[dialect]
+        self.limit_headers = self.header_names[::3]
+        """Each window's ``-limit`` header (the first of its three)."""
+        self.announced: dict[tuple[str | None, str], tuple[tuple[str | None, ...], float]] = {}
+        """The limit headers last announced for each (key, group), and when they were reported: an answer
+        repeating them soon after reports nothing."""
+        self.applies: dict[tuple[str | None, str], tuple[str, ...]] = {}
+        """The windows in force for each (key, group) (None: any key of the pool), as last asked; forgotten
+        when an answer announces new limits (a config reload builds a new ``Windowing``)."""
 
     def group(self, model: str | None) -> str:
         """The model group: the ``models`` pattern the model matches, else the model name (none: other)."""
@@ -78,17 +89,26 @@ class Windowing:
         the cost to take (None: no window is known yet). Before any limit is known (all are learned from
         headers), it is estimated for the provider's own windows, so that its answer teaches the ratio, and
         charged to none: a window learned from its answer was not taken from, so it gives nothing back."""
-        provider = self.provider
-        if key is not None or not self.keys:
-            windows: Mapping[str, int] | set[str] = backend.window_limits(provider, key, group)
-        else:
-            windows = set()
-            for name in self.keys:
-                windows.update(backend.window_limits(provider, name, group))
+        windows = self.applies.get((key, group))
+        if windows is None:
+            windows = self._applying(backend, key, group)
         estimate = self.estimator.estimate(dialect=self.dialect, key=key, group=group, body=body, request=request,
                                            windows=windows or DIALECT_WINDOWS[self.dialect],
                                            continuation=continuation, now=time.time())
         return estimate, estimate.cost if windows else None
+
+    def _applying(self, backend: Backend, key: str | None, group: str) -> tuple[str, ...]:
+        provider = self.provider
+        if key is not None or not self.keys:
+            names = set(backend.window_limits(provider, key, group))
+        else:
+            names = set()
+            for name in self.keys:
+                names.update(backend.window_limits(provider, name, group))
+        if len(self.applies) >= _KEPT:
+            self.applies.clear()
+        windows = self.applies[(key, group)] = tuple(sorted(names))
+        return windows
 
     def answered(self, backend: Backend, key: str | None, group: str, headers: Mapping[str, str],
                  sent_at: float) -> None:
@@ -103,17 +123,24 @@ class Windowing:
             return
         provider, dialect = self.provider, self.dialect
         if self.learn:
-            limits = window_limits(dialect, picked)
-            if limits and self.announced.get((key, group)) != limits:
-                if len(self.announced) >= _ANNOUNCED_KEPT:
+            raw = tuple(picked.get(name) for name in self.limit_headers)
+            now = time.time()
+            last = self.announced.get((key, group))
+            if last is None or last[0] != raw or now - last[1] > _REPORT_AGAIN:
+                limits = window_limits(dialect, picked)
+                if len(self.announced) >= _KEPT:
                     self.announced.clear()
-                self.announced[(key, group)] = limits
-                backend.report_window_limits(provider, key, group, limits)
-        room = window_room(dialect, picked)
+                self.announced[(key, group)] = (raw, now)
+                self.applies.clear()
+                if limits:
+                    backend.report_window_limits(provider, key, group, limits)
+        room = {}
+        for window, name in self.remaining_headers:
+            left = header_count(picked.get(name))
+            if left is not None:
+                room[window] = most_remaining(dialect, window, left)
         if room:
-            backend.report_window_remaining(
-                provider, key, group, {window: most_remaining(dialect, window, left) for window, left in room.items()},
-                sent_at)
+            backend.report_window_remaining(provider, key, group, room, sent_at)
 
     def hit(self, backend: Backend, key: str | None, group: str, status: int, headers: Mapping[str, str],
             body: bytes | str | None, wait: float | None) -> str | None:

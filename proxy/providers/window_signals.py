@@ -19,7 +19,7 @@ from typing import Literal
 
 from .budgets import MAX_HOLD, header_count, reset_duration, reset_instant
 
-__all__ = ["HEADER_NAMES", "Dialect", "beyond_rounding", "most_remaining", "window_hit", "window_limits",
+__all__ = ["HEADER_NAMES", "REMAINING_HEADERS", "Dialect", "beyond_rounding", "most_remaining", "window_hit", "window_limits",
            "window_remaining", "window_room"]
 
 Dialect = Literal["anthropic", "openai"]
@@ -44,6 +44,10 @@ HEADER_NAMES: dict[str, tuple[str, ...]] = {
     for dialect, windows in _HEADER_WINDOWS.items()}
 """Every header (lower case) the window readers read, by dialect: a caller with many headers may pass only
 these."""
+REMAINING_HEADERS: dict[str, tuple[tuple[str, str], ...]] = {
+    dialect: tuple((window, pattern.format("remaining")) for window, pattern in windows.items())
+    for dialect, windows in _HEADER_WINDOWS.items()}
+"""(window, its ``-remaining`` header in lower case), by dialect."""
 _ROUNDED = frozenset({("anthropic", "input_tokens_per_minute"), ("anthropic", "output_tokens_per_minute")})
 
 _MAX_READ = 64 * 1024
