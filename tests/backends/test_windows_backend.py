@@ -70,6 +70,8 @@ async def test_an_acquire_held_by_its_window_is_granted_when_the_window_refills(
     assert 0.3 < waited < 2.5, waited  # 400 at 1,000 a second; woken by its timer, not a poll a while later
     assert lease.group == "opus" and lease.cost == {ITPM: 400}
     row = (await rows(backend))[("opus", ITPM)]
+    assert list(row) == ["group", "window", "limit", "source", "available", "reserved", "held", "held_total", "hits",
+                         "ratio", "estimate_error_p50", "estimate_error_p90"]
     assert (row["held"], row["held_total"], row["reserved"], row["limit"], row["source"]) == (
         0, 1, FAST + 400, FAST, "config")
     backend.settle_windows("p", lease, {ITPM: 100}, {ITPM: "give_back"})
@@ -187,3 +189,24 @@ async def test_two_replicas_share_one_window(key_prefix: str) -> None:
     finally:
         for replica in replicas:
             await replica.close()
+
+
+async def test_a_replica_sets_one_timer_for_the_time_its_held_waiter_s_window_refills(key_prefix: str) -> None:
+    """Not a poll: the grant script says when the earliest held head's room will exist, and the replica
+    waiting there sets its dispatch timer for then (a renew round, up to a second later, would be late)."""
+    require_redis()
+    backend = RedisBackend(REDIS_URL, key_prefix=key_prefix, lease_ttl=6.0)
+    await backend.start()
+    try:
+        await setup(backend, WindowSettings(provider={ITPM: FAST}))
+        await backend.acquire("p", prio(), cost={ITPM: FAST}, group="opus")
+        loop = asyncio.get_running_loop()
+        asked = loop.time()
+        waiting = asyncio.create_task(backend.acquire("p", prio(), cost={ITPM: 600}, group="opus"))
+        await held(backend, 1)
+        when, _ = backend._dispatch_timers["p"]
+        assert when - asked == pytest.approx(0.6, abs=0.15)
+        await asyncio.wait_for(waiting, 2)
+        assert loop.time() - asked < 0.9
+    finally:
+        await backend.close()
