@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from proxy.backends import MemoryBackend
 from proxy.backends.redis import RedisBackend
 from proxy.limiter import KeySettings, LimiterSettings, Priority, WindowSettings
 
