@@ -420,7 +420,7 @@ local function next_event(now)
   consider(num('paused_until', 0))
   consider(num('held_until', 0))
   consider(num('settle_until', 0))
-  consider(num('window_wake', 0))
+  if layout().win ~= nil then consider(num('window_wake', 0)) end
   for _, lid in ipairs(all_levels()) do
     consider(hnum(level_hash(lid), 'paused_until', 0))
     consider(hnum(level_hash(lid), 'held_until', 0))
