@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from proxy.backends import MemoryBackend
 from proxy.backends.redis import RedisBackend
-from proxy.limiter import KeySettings, LimiterSettings, Priority, WindowSettings
+from proxy.limiter import FakeClock, KeySettings, LimiterSettings, Priority, WindowSettings
 
 from .conftest import REDIS_URL, require_redis
 
@@ -209,3 +210,63 @@ async def test_a_replica_sets_one_timer_for_the_time_its_held_waiter_s_window_re
         assert loop.time() - asked < 0.9
     finally:
         await backend.close()
+
+
+# --- the same answers: the admission rules in Python and in Lua ---------------------------------------------
+
+
+async def _admission_rows(backend: Any) -> tuple[list[str], dict[str, Any]]:
+    """Who got a slot (by the order the requests were made), and each window's counts (not its level, which
+    refills by the clock: fake on one side, real on the other)."""
+    keys = (KeySettings("a", limit=3), KeySettings("b", limit=3))
+    await setup(backend, WindowSettings(provider={ITPM: 600}, models={"sonnet": {ITPM: 6000}}), limit=None,
+                keys=keys)
+    granted: list[str] = []
+    tasks = []
+
+    async def ask(name: str, cost: float, group: str, **options: Any) -> None:
+        lease = await backend.acquire("p", prio(**options), cost={ITPM: cost}, group=group)
+        granted.append(f"{name}@{lease.key}")
+
+    for name, cost, group, options in [
+        ("big", 590, "opus", {"conversation": "c"}), ("next", 400, "opus", {"conversation": "c"}),
+        ("held", 300, "opus", {"age": 100}), ("sonnet", 300, "sonnet", {}), ("small", 10, "opus", {}),
+        ("starred", 100, "opus", {"starred": True}),
+    ]:
+        tasks.append(asyncio.create_task(ask(name, cost, group, **options)))
+        for _ in range(50):
+            await backend.flush()
+            await asyncio.sleep(0.005)
+            if len(granted) + (await rows_count(backend)) >= len(tasks):
+                break
+    counts = {}
+    for key in ("a", "b"):
+        for (group, window), row in (await rows(backend, key)).items():
+            counts[f"{key}/{group}/{window}"] = {field: row[field] for field in
+                                                 ("limit", "source", "reserved", "held", "held_total", "hits")}
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return granted, counts
+
+
+async def rows_count(backend: Any) -> int:
+    await backend.flush()
+    await backend.refresh()
+    return int(backend.provider_status("p").queued)
+
+
+async def test_memory_and_redis_admit_the_same_requests_and_count_the_same(key_prefix: str) -> None:
+    """A pool of two keys under one 600-token window each: the conversation's key, then its sibling with room;
+    a held head holding back its own group (queue order) and not another group; a starred waiter put first."""
+    require_redis()
+    memory = MemoryBackend(FakeClock(time.time()))
+    redis_backend = RedisBackend(REDIS_URL, key_prefix=key_prefix, lease_ttl=2.0)
+    await redis_backend.start()
+    try:
+        expected = await _admission_rows(memory)
+        got = await _admission_rows(redis_backend)
+    finally:
+        await redis_backend.close()
+    assert expected[0] == ["big@a", "next@b", "sonnet@a", "starred@b"]
+    assert got == expected
