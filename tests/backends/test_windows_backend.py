@@ -16,7 +16,13 @@ import pytest
 
 from proxy.backends import MemoryBackend
 from proxy.backends.redis import RedisBackend
-from proxy.limiter import FakeClock, KeySettings, LimiterSettings, Priority, WindowSettings
+from proxy.limiter import (
+    FakeClock,
+    KeySettings,
+    LimiterSettings,
+    Priority,
+    WindowSettings,
+)
 
 from .conftest import REDIS_URL, require_redis
 
