@@ -13,7 +13,8 @@ release cooldown, queue timeouts and queue-full (counted, with the pause-aware
 hint), queue order (starred, prompt start in whole ms, then arrival), the
 queue listing's length, and the nested limits: key choice (stickiness, then
 the most free slots, ties in config order), a backoff on one key, every key
-paused, model caps, budget holds and ``max_share``.
+paused, model caps, budget holds and ``max_share``; and the token windows' bucket math and limits rule
+(``window.Bucket`` and ``WindowBook.limits_for`` against the functions of ``lua_windows``, on given times).
 """
 
 from __future__ import annotations

@@ -32,7 +32,10 @@ the cfg's limit, pause, reduction and budget fields) and ``...:lv:<level>:leases
 it has model caps or a share, waiters are also kept per class
 (``...:q:<pattern>\n<workspace>``, names in the set ``...:classes``) so that a
 full cap never holds up a waiter of another class. These keys are derived from
-``KEYS[1]`` inside the scripts and share its hash tag, so one node of a Cluster holds them.
+``KEYS[1]`` inside the scripts and share its hash tag, so one node of a Cluster holds them; so do the
+token windows' buckets (``w:...``, see ``lua_windows``): a grant takes a waiter's slots and its window cost
+in one script, and a head its windows hold leaves the earliest refill time in ``window_wake`` for
+``next_event``, which the waiting replica sets its one dispatch timer by.
 
 The rules are the policy's (:mod:`proxy.limiter.policy`). What it decides reaches
 the scripts as arguments or settings fields: notice templates (auto-reduced,
