@@ -56,7 +56,7 @@ from .idle import Watch
 from .keys import error_response
 from .runtime import ProxyState
 from .upstreams import expect_upgrade, refused_upgrade_body
-from .windows import parsed_request
+from .windows import EndedResponses, parsed_request
 
 if TYPE_CHECKING:
     from ..config import ProviderSettings
@@ -74,8 +74,6 @@ _TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.inc
 _TYPE_AT_START = re.compile(rb'\s*\{\s*"type"\s*:\s*"([a-z_.]{1,64})"')
 _CREATE = b"response.create"
 _OUTPUT_EVENT = b'{"type":"response.output_'
-_RESPONSE_ID = re.compile(rb'"response"\s*:\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
-_RESPONSES_KEPT = 64
 """The ended responses of a socket whose usage a continuation (``previous_response_id``) is charged from."""
 """The opening of most of a response's events (its text, items and parts), none of them its end."""
 _UNSENDABLE_CLOSE_CODES = frozenset({1005, 1006, 1015})
@@ -152,7 +150,7 @@ class SocketRelay:
         self.upstream_pump: asyncio.Task[None] | None = None
         self.closing_after_responses = False
         self.windowing = state.windowing(provider)
-        self.ended: dict[str, tuple[int, int]] = {}
+        self.ended = EndedResponses()
         """With token windows: the input and output tokens each recent response reported, by its id."""
 
     def _handshake_names_prompt(self) -> bool:
@@ -314,7 +312,7 @@ class SocketRelay:
             account.model, request = parsed_request("", frame)
             group = windowing.group(account.model)
             estimate, cost = windowing.estimate(self.state.backend, group, frame, request, key=self.key,
-                                                continuation=self._continued(request))
+                                                continuation=self.ended.continued(request))
         if self.state.shutting_down or self.closing_after_responses:
             await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0),
                                account)
@@ -336,14 +334,6 @@ class SocketRelay:
         account.queue_ms, account.key = round(lease.queue_wait * 1000), lease.key
         self._start(_Response(lease, account, estimate, group))
         return True
-
-    def _continued(self, request: Mapping[str, Any]) -> tuple[int, int] | None:
-        """The input and output the response a frame continues reported: OpenAI charges the whole
-        conversation again."""
-        nested = request.get("response")
-        previous = request.get("previous_response_id") or (
-            nested.get("previous_response_id") if isinstance(nested, dict) else None)
-        return self.ended.get(previous) if isinstance(previous, str) else None
 
     def _frame_priority(self, frame: bytes) -> Priority:
         """The handshake's workspace, star and conversation; the prompt start of this response's own turn."""
@@ -450,7 +440,7 @@ class SocketRelay:
         if kind == b"response.completed" or kind == b"response.incomplete":
             usage.read(data)
             if self.windowing is not None:
-                self._remember(data, usage)
+                self.ended.remember(data, usage)
         else:
             document = _parsed(data)
             if document is not None:
@@ -463,17 +453,6 @@ class SocketRelay:
                 if kind == b"error" and isinstance(stated, int) and 400 <= stated <= 599:
                     status = stated
         self._end_first(status)
-
-    def _remember(self, data: bytes, usage: UsageReader) -> None:
-        """A response that ended: its id and reported tokens, for a frame that continues it."""
-        found = _RESPONSE_ID.search(data, 0, 1024)
-        counts = usage.counts()
-        if found is None or counts is None:
-            return
-        ended = self.ended
-        ended[found.group(1).decode()] = (counts.input_tokens, counts.output_tokens)
-        if len(ended) > _RESPONSES_KEPT:
-            del ended[next(iter(ended))]
 
     def _window_hit(self, document: dict[str, Any], data: bytes, backoff: Backoff) -> bool:
         """An error event that names a window: the window is emptied until the stated wait, with no backoff."""

@@ -9,6 +9,7 @@ provider without windows has none, and its requests do no window work at all.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -20,7 +21,7 @@ from ..limiter.window import OTHER_GROUP
 from ..providers.budgets import header_count
 from ..providers.estimate import Estimate, Estimator, actual_for
 from ..providers.model_name import request_model
-from ..providers.tokens import TokenCounts
+from ..providers.tokens import TokenCounts, UsageReader
 from ..providers.window_signals import (
     HEADER_NAMES,
     REMAINING_HEADERS,
@@ -31,7 +32,7 @@ from ..providers.window_signals import (
     window_remaining,
 )
 
-__all__ = ["SETTLE_RULES", "Windowing", "parsed_request"]
+__all__ = ["SETTLE_RULES", "EndedResponses", "Windowing", "parsed_request"]
 
 SETTLE_RULES: dict[str, dict[str, str]] = {
     "anthropic": {"input_tokens_per_minute": "give_back", "output_tokens_per_minute": "give_back"},
@@ -209,3 +210,33 @@ def parsed_request(path: str, body: bytes) -> tuple[str | None, dict[str, Any]]:
         nested = request.get("response")
         model = nested.get("model") if isinstance(nested, dict) else None
     return (model if isinstance(model, str) and model else None), request
+
+
+_RESPONSE_ID = re.compile(rb'"response"\s*:\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
+_RESPONSES_KEPT = 64
+
+
+class EndedResponses:
+    """A socket's recent responses: the input and output tokens each reported, by its id, for a frame that
+    continues one (``previous_response_id``): OpenAI charges the whole conversation again."""
+
+    __slots__ = ("_ended",)
+
+    def __init__(self) -> None:
+        self._ended: dict[str, tuple[int, int]] = {}
+
+    def remember(self, data: bytes, usage: UsageReader) -> None:
+        found = _RESPONSE_ID.search(data, 0, 1024)
+        counts = usage.counts()
+        if found is None or counts is None:
+            return
+        ended = self._ended
+        ended[found.group(1).decode()] = (counts.input_tokens, counts.output_tokens)
+        if len(ended) > _RESPONSES_KEPT:
+            del ended[next(iter(ended))]
+
+    def continued(self, request: Mapping[str, Any]) -> tuple[int, int] | None:
+        nested = request.get("response")
+        previous = request.get("previous_response_id") or (
+            nested.get("previous_response_id") if isinstance(nested, dict) else None)
+        return self._ended.get(previous) if isinstance(previous, str) else None
