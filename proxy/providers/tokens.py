@@ -98,7 +98,7 @@ class UsageReader:
 def _object_at(text: bytes, after_key: int) -> dict[str, Any] | None:
     """The JSON object after a ``"usage"`` key's colon, parsed alone (read from a small window first: usage
     objects are a few hundred bytes)."""
-    if text.startswith(b":{", after_key):  # as providers write it: no spaces
+    if text[after_key:after_key + 2] == b":{":  # as providers write it: no spaces
         start = after_key + 1
     else:
         opening = _OBJECT_OPENS.match(text, after_key)
