@@ -8,10 +8,15 @@ import json
 import time
 from typing import Any
 
+import os
+from collections.abc import Iterator
+
 import aiohttp
 import anthropic
 import openai
+import pytest
 
+from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
 from ..conftest import Proxy, Upstream
 
 ITPM = 30_000
@@ -24,9 +29,20 @@ a first request that took longer to arrive (a new connection) than a later one l
 short of the proxy's view, as a provider's clock may. A little headroom absorbs that skew."""
 
 
-def anthropic_yaml(upstream: Upstream, windows: str, **settings: Any) -> str:
+@pytest.fixture(params=["memory", "redis"])
+def backend_yaml(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "memory":
+        yield ""
+        return
+    require_redis()
+    prefix = f"slotproxy-test-{os.urandom(5).hex()}"
+    yield f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: {prefix}, lease_ttl: 2s}}\n"
+    delete_prefix(REDIS_URL, prefix)
+
+
+def anthropic_yaml(upstream: Upstream, windows: str, backend: str = "", **settings: Any) -> str:
     extra = "".join(f"    {name}: {value}\n" for name, value in settings.items())
-    return (f"state: {{path: null}}\nproviders:\n  anthropic:\n    upstream: {upstream.url}\n"
+    return (f"state: {{path: null}}\n{backend}providers:\n  anthropic:\n    upstream: {upstream.url}\n"
             f"    auth: x-api-key\n    limit: 100\n    windows: {windows}\n{extra}")
 
 
@@ -56,16 +72,18 @@ def upstream_429s(upstream: Upstream) -> int:
     return int(upstream.fake.stats()["rate_limited"])
 
 
-async def test_a_fleet_is_held_by_its_input_window_and_never_refused(start_upstream, start_proxy, client) -> None:
+async def test_a_fleet_is_held_by_its_input_window_and_never_refused(start_upstream, start_proxy, client,
+                                                                    backend_yaml) -> None:
     up = await start_upstream(itpm=ITPM, chunks=1, delay_ms=5)
     proxy = await start_proxy(anthropic_yaml(up, f"{{input_tokens_per_minute: {ITPM}, headroom: {HEADROOM}}}",
-                                             retry_on_429=0))
+                                             backend_yaml, retry_on_429=0))
     count = ITPM // EACH + 1  # more than the window holds: the last ones wait for its refill (~2 s)
     started = time.monotonic()
     statuses = await fleet(client, proxy, count, messages())
     assert statuses == [200] * count
     assert upstream_429s(up) == 0
     assert time.monotonic() - started > 0.5, "the last requests waited for the window's refill"
+    await proxy.state.backend.refresh()  # Redis: status reads the fleet's snapshot
     row = window_row(proxy, "input_tokens_per_minute")
     assert (row["limit"], row["source"], row["hits"]) == (ITPM, "both", 0), "config, and the fake's headers"
     assert row["held_total"] >= 1 and row["reserved"] == 0
