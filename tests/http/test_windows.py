@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from typing import Any
-
 import os
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import anthropic
