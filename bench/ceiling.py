@@ -55,7 +55,7 @@ from overhead import BODY, PATH_PROXIED, proxy_conf, slotproxy_yaml, start_nginx
 
 CONNS = 16
 TARGET_RATIO = 0.20
-TARGET_CPU_RATIO = 1.15
+TARGET_CPU_RATIO = 1.25
 LEDGER_OFF = "slotproxy, ledger off"
 PATHS = ("nginx", "slotproxy", LEDGER_OFF, "aiohttp ×1", "aiohttp ×2")
 LEDGER_FILE = "ceiling-ledger.sqlite"

@@ -48,7 +48,6 @@ __all__ = [
     "UpstreamTimeout",
     "UpstreamUnreachable",
     "WebSocketUnsupported",
-    "WindowsUnsupported",
 ]
 
 
@@ -163,12 +162,6 @@ class WebSocketUnsupported(ProxyError):
     any other refusal makes them retry the upgrade for seconds first."""
 
     status, code = 426, "websocket_unsupported"
-
-
-class WindowsUnsupported(ProxyError):
-    """Token windows asked of a backend that does not hold them in this version (Redis)."""
-
-    status, code = 500, "windows_unsupported"
 
 
 class AdminError(ProxyError):

@@ -39,6 +39,11 @@ def provider_document(state: ProxyState, status: ProviderStatus) -> dict[str, An
         _mark_manual(key, manual, (name, "key", key["name"]))
     for model in document["models"]:
         _mark_manual(model, manual, (name, "model", model["pattern"]))
+    windowing = state.windowing(name)
+    if windowing is not None:
+        for owner in (document, *document["keys"]):
+            for window in owner.get("windows") or ():
+                windowing.status(window)
     return document
 
 

@@ -414,17 +414,6 @@ class Config(_Frozen):
             and (value is not None or key not in sections)
         }
 
-    @model_validator(mode="after")
-    def _windows_need_the_memory_backend(self) -> Config:
-        if self.backend.kind == "memory":
-            return self
-        written = [path for name, provider in self.providers.items()
-                   for path, _ in written_windows(name, provider.windows, provider.models, provider.keys)]
-        if written:
-            raise ValueError(f"backend.kind: {self.backend.kind} cannot hold token windows in this version (the "
-                             f"memory backend holds them): remove {', '.join(written)}, or set backend.kind: memory")
-        return self
-
     def model_post_init(self, context: Any, /) -> None:
         self._settings = {
             name: _resolve(name, provider, self.defaults)

@@ -56,7 +56,7 @@ class Account:
 
     def row(self) -> LedgerRow:
         priority = self.priority
-        counts = self.usage.counts() if self.usage is not None else None
+        counts = self.usage.totals() if self.usage is not None else None
         if priority is None:
             workspace, starred, conversation = "default", False, None
         else:

@@ -28,7 +28,7 @@ import logging
 import resource
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -101,7 +101,7 @@ class ConnectionGuard:
         self._open: dict[GuardedRequestHandler, None] = {}
         self._warned: tuple[int, int] | None = None
         self.refused = ThrottledLog(log, logging.WARNING, "refused a client connection: %d open, every one busy "
-                                    "(server.max_connections, lowered to what the open-files limit allows)")
+                                    "(%s)")
         self.evicted = ThrottledLog(log, logging.INFO, "closed an idle client connection to make room: %d open")
         self.headers_late = ThrottledLog(log, logging.INFO, "closed a client connection that sent no complete "
                                          "request headers within server.header_timeout (%gs)")
@@ -123,6 +123,13 @@ class ConnectionGuard:
                         "connections: raise it (ulimit -n, LimitNOFILE=) to serve more",
                         settings.max_connections, open_files, self.cap)
 
+    def cap_reason(self) -> str:
+        """Where the cap comes from, in the words of the refusal's log line."""
+        written = self.settings.max_connections
+        if self.cap < written:
+            return f"server.max_connections is {written}, lowered to {self.cap} by the open files limit"
+        return f"server.max_connections is {written}"
+
     @property
     def open_count(self) -> int:
         return len(self._open)
@@ -132,7 +139,7 @@ class ConnectionGuard:
         if len(self._open) >= self.cap:
             victim = next((h for h in self._open if h.idle), None)
             if victim is None:
-                self.refused.event(len(self._open))
+                self.refused.event(len(self._open), self.cap_reason())
                 return False
             victim.evict()
             self._open[handler] = None
@@ -163,10 +170,12 @@ class GuardedRequestHandler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         if not self._guard.admit(self):
-            assert isinstance(transport, asyncio.Transport)
-            transport.write(_REFUSED)
+            # Not an isinstance check: uvloop's transports write and close like asyncio's but derive from none
+            # of its classes (aiohttp casts the same way).
+            refused = cast(asyncio.WriteTransport, transport)
+            refused.write(_REFUSED)
             self.force_close()
-            transport.close()
+            refused.close()
             return
         self._header_timer = self._loop.call_later(self._guard.settings.header_timeout, self._headers_late)
 

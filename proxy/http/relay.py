@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -31,7 +32,9 @@ from ..errors import (
     UpstreamUnreachable,
 )
 from ..limiter import Budget, Priority, SlotLease
+from ..limiter.window import OTHER_GROUP
 from ..providers.budgets import read_budget
+from ..providers.estimate import Estimate
 from ..providers.model_name import model_hint, request_model
 from ..providers.signals import (
     Backoff,
@@ -55,6 +58,7 @@ from .idle import Watch
 from .keys import QUEUE_MS_HEADER, STATE, error_response
 from .runtime import ProxyState
 from .websocket import relay_websocket, wants_websocket
+from .windows import parsed_request
 
 if TYPE_CHECKING:
     from ..config import ProviderSettings
@@ -79,6 +83,8 @@ class _NoSlot:
     on_reclaim = None
     seq = None
     key = None
+    cost = None
+    group = None
 
     def __init__(self) -> None:
         self.granted_at = time.time()
@@ -170,6 +176,13 @@ async def relay(request: web.Request, state: ProxyState, provider: str, rest: st
 class Exchange:
     """One client request, relayed with up to ``retry_on_429`` retries before the client sees anything."""
 
+    group: str = OTHER_GROUP
+    """With windows: the request's model group."""
+    parsed: Mapping[str, Any] = MappingProxyType({})
+    """With windows: the request body, parsed once."""
+    estimate: Estimate | None = None
+    """With windows: what the current attempt was estimated to cost."""
+
     def __init__(
         self,
         request: web.Request,
@@ -192,8 +205,13 @@ class Exchange:
         self.priority = priority
         self.needs_slot = request.method in settings.slot_methods
         client_wait = client_wait_limit(request.headers) if self.needs_slot else None
-        self.model = None if not self.needs_slot else \
-            request_model(rest, body) if settings.models else model_hint(rest, body)
+        self.windowing = windowing = state.windowing(provider) if self.needs_slot else None
+        if windowing is None:
+            self.model = None if not self.needs_slot else \
+                request_model(rest, body) if settings.models else model_hint(rest, body)
+        else:
+            self.model, self.parsed = parsed_request(rest, body)
+            self.group = windowing.group(self.model)
         self.client_deadline = None if client_wait is None else time.monotonic() + client_wait
         self.response: web.StreamResponse | None = None
         self.queue_ms = 0
@@ -216,8 +234,16 @@ class Exchange:
                 if self.needs_slot:
                     client_wait = None if self.client_deadline is None else max(
                         0.0, self.client_deadline - time.monotonic())
-                    lease = await self.state.backend.acquire(self.provider, self.priority, seq=seq,
-                                                             client_wait=client_wait, model=self.model)
+                    windowing = self.windowing
+                    if windowing is None:
+                        lease = await self.state.backend.acquire(self.provider, self.priority, seq=seq,
+                                                                 client_wait=client_wait, model=self.model)
+                    else:
+                        self.estimate, cost = windowing.estimate(self.state.backend, self.group, self.body,
+                                                                 self.parsed)
+                        lease = await self.state.backend.acquire(
+                            self.provider, self.priority, seq=seq, client_wait=client_wait, model=self.model,
+                            cost=cost, group=self.group)
                     self.state.observe_grant(self.provider, lease)
                 else:
                     lease = _NoSlot()
@@ -234,7 +260,15 @@ class Exchange:
                 retries_left -= 1
                 self.account.retries += 1
             finally:
+                if self.windowing is not None:
+                    self._settle(lease)
                 lease.release()
+
+    def _settle(self, lease: SlotLease | _NoSlot) -> None:
+        """Reconcile the windows this attempt took from with the usage its answer reported."""
+        usage, estimate, windowing = self.account.usage, self.estimate, self.windowing
+        if usage is not None and estimate is not None and windowing is not None and not isinstance(lease, _NoSlot):
+            windowing.settle(self.state.backend, lease, self.group, estimate, usage.counts())
 
     async def _attempt(self, lease: SlotLease | _NoSlot, *, retry_allowed: bool) -> web.StreamResponse:
         # idle_timeout: the wait for upstream's final headers (aiohttp would restart a read timeout on every
@@ -263,6 +297,9 @@ class Exchange:
                 watch.progress()
                 lease.headers_received()
                 budget = self._note_budget(upstream, lease) if self.settings.budgets and self.needs_slot else None
+                if self.windowing is not None:
+                    self.windowing.answered(self.state.backend, lease.key, self.group, upstream.headers,
+                                            lease.granted_at)
                 if upstream.status in self.settings.backoff_statuses:
                     window_spent = budget is not None and budget.held_until is not None
                     return await self._relay_backoff(upstream, lease, watch, retry_allowed, window_spent)
@@ -327,6 +364,12 @@ class Exchange:
         backoff = classify_response(
             upstream.status, upstream.headers, readable, self.settings.backoff_statuses, time.time()
         )
+        if self.windowing is not None and backoff is not None and upstream.status == 429:
+            retry = self._window_hit(upstream, lease, readable, backoff, retry_allowed)
+            if retry:
+                raise _Retry
+            if retry is not None:
+                backoff = None
         if backoff is not None:
             self._report(backoff, lease, reduce=not window_spent)
             if retry_allowed:
@@ -337,6 +380,25 @@ class Exchange:
         if not complete:
             return await self._stream(upstream, lease, watch, prefix=body)
         return await self._send_whole(upstream, body)
+
+    def _window_hit(self, upstream: aiohttp.ClientResponse, lease: SlotLease | _NoSlot, body: bytes,
+                    backoff: Backoff, retry_allowed: bool) -> bool | None:
+        """A 429 that names a window: the window is emptied until the stated wait, with no backoff (the
+        slots were not the problem). True when it is to be retried: it then waits in the queue for the
+        window's room, unless its cost exceeds the window's whole capacity (it can never fit); False when it
+        is relayed; None when it names no window."""
+        windowing = self.windowing
+        if windowing is None or isinstance(lease, _NoSlot):
+            return None
+        window = windowing.hit(self.state.backend, lease.key, self.group, upstream.status, upstream.headers,
+                               body, backoff.wait)
+        if window is None:
+            return None
+        if retry_allowed and not windowing.beyond(self.state.backend, lease, window):
+            log.debug("provider=%s retrying after a 429 of its %s window (the client has seen nothing yet)",
+                      self.provider, window)
+            return True
+        return False
 
     def _report(self, backoff: Backoff, lease: SlotLease | _NoSlot, *, reduce: bool = True) -> None:
         self.state.metrics.backoffs.labels(self.provider, backoff.cause).inc()

@@ -39,6 +39,7 @@ from .idle import IdleWatch
 from .metrics import Metrics
 from .state import ManualLimits, StarOverrides, StateStore, StateWriter
 from .upstreams import Upstreams
+from .windows import Windowing
 
 if TYPE_CHECKING:
     from ..backends.redis import RedisTarget
@@ -137,6 +138,7 @@ class ProxyState:
         ledger_path = beside_config(config.ledger.path, config_path)
         self.ledger = Ledger(ledger_path, config.ledger.retention, on_dropped=self.metrics.ledger_dropped.inc)
         self.pollers = GatePollers()
+        self._windowing: dict[str, Windowing] = {}
         self.listen_host = config.server.host
         self.connections = ConnectionGuard()
         self.shutting_down = False
@@ -184,6 +186,7 @@ class ProxyState:
             self.stars.effective(config.workspaces.starred),
         )
         self._providers = providers
+        self._windowing = self._windowings(providers)
         self._model_patterns = {name: tuple(settings.models) for name, settings in providers.items()
                                 if settings.models}
         self.config = config
@@ -224,6 +227,25 @@ class ProxyState:
 
     def provider_names(self) -> list[str]:
         return list(self._providers)
+
+    def windowing(self, name: str) -> Windowing | None:
+        """The provider's token windows as the relay sees them; None when it holds none."""
+        return self._windowing.get(name)
+
+    def _windowings(self, providers: Mapping[str, ProviderSettings]) -> dict[str, Windowing]:
+        """One per provider with ``windows:`` written; a provider's estimator (what it learned) outlives
+        a reload."""
+        built = {}
+        for name, settings in providers.items():
+            windows = settings.window_settings()
+            if windows is None:
+                continue
+            known = self._windowing.get(name)
+            built[name] = Windowing(name, settings.dialect, patterns=tuple(settings.models),
+                                    keys=tuple(key.name for key in settings.keys), learn=windows.learn,
+                                    headroom=windows.headroom,
+                                    estimator=None if known is None else known.estimator)
+        return built
 
     def observe_grant(self, provider: str, lease: SlotLease) -> None:
         self.metrics.observe_wait(provider, lease.queue_wait)

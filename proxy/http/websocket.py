@@ -39,6 +39,7 @@ from ..errors import (
     WebSocketUnsupported,
 )
 from ..limiter import Priority, SlotLease
+from ..providers.estimate import Estimate
 from ..providers.model_name import frame_model, model_hint
 from ..providers.signals import Backoff, classify_response, event_backoff, readable_body
 from ..providers.tokens import UsageReader
@@ -55,6 +56,7 @@ from .idle import Watch
 from .keys import error_response
 from .runtime import ProxyState
 from .upstreams import expect_upgrade, refused_upgrade_body
+from .windows import EndedResponses, parsed_request
 
 if TYPE_CHECKING:
     from ..config import ProviderSettings
@@ -72,6 +74,7 @@ _TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.inc
 _TYPE_AT_START = re.compile(rb'\s*\{\s*"type"\s*:\s*"([a-z_.]{1,64})"')
 _CREATE = b"response.create"
 _OUTPUT_EVENT = b'{"type":"response.output_'
+"""The ended responses of a socket whose usage a continuation (``previous_response_id``) is charged from."""
 """The opening of most of a response's events (its text, items and parts), none of them its end."""
 _UNSENDABLE_CLOSE_CODES = frozenset({1005, 1006, 1015})
 _CLOSE_WAIT = 5.0
@@ -112,14 +115,17 @@ class _Response:
 
     lease: SlotLease
     account: Account
+    estimate: Estimate | None = None
+    """With token windows: what it was estimated to cost."""
+    group: str = ""
 
 
 class SocketRelay:
     """One client socket and its upstream socket."""
 
-    __slots__ = ("client", "closing_after_responses", "consumed", "in_flight", "key", "priority",
+    __slots__ = ("client", "closing_after_responses", "consumed", "ended", "in_flight", "key", "priority",
                  "prompt_from_handshake", "provider", "request", "settings", "state", "upstream", "upstream_pump",
-                 "url", "watch")
+                 "url", "watch", "windowing")
 
     def __init__(self, request: web.Request, state: ProxyState, provider: str, settings: ProviderSettings,
                  url: URL, consumed: frozenset[str]) -> None:
@@ -143,6 +149,9 @@ class SocketRelay:
         self.watch: Watch | None = None
         self.upstream_pump: asyncio.Task[None] | None = None
         self.closing_after_responses = False
+        self.windowing = state.windowing(provider)
+        self.ended = EndedResponses()
+        """With token windows: the input and output tokens each recent response reported, by its id."""
 
     def _handshake_names_prompt(self) -> bool:
         """Whether the handshake itself said when the prompt began (else each response is aged from its own
@@ -295,7 +304,15 @@ class SocketRelay:
         """Wait for this response's slot; False (and an ``error`` frame to the client) when it gets none."""
         account = Account(self.provider, "websocket")
         account.priority = priority = self._frame_priority(frame)
-        account.model = frame_model(frame) if self.settings.models else model_hint("", frame)
+        windowing = self.windowing
+        if windowing is None:
+            account.model = frame_model(frame) if self.settings.models else model_hint("", frame)
+            estimate, cost, group = None, None, ""
+        else:
+            account.model, request = parsed_request("", frame)
+            group = windowing.group(account.model)
+            estimate, cost = windowing.estimate(self.state.backend, group, frame, request, key=self.key,
+                                                continuation=self.ended.continued(request))
         if self.state.shutting_down or self.closing_after_responses:
             await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0),
                                account)
@@ -303,7 +320,8 @@ class SocketRelay:
         self.state.request_started()
         asked_at = time.monotonic()
         try:
-            lease = await self.state.backend.acquire(self.provider, priority, model=account.model, key=self.key)
+            lease = await self.state.backend.acquire(self.provider, priority, model=account.model, key=self.key,
+                                                     cost=cost, group=group or None)
         except (QueueFull, QueueTimeout, ShuttingDown) as exc:
             self.state.request_finished()
             account.queue_ms = round((time.monotonic() - asked_at) * 1000)
@@ -314,7 +332,7 @@ class SocketRelay:
             raise
         self.state.observe_grant(self.provider, lease)
         account.queue_ms, account.key = round(lease.queue_wait * 1000), lease.key
-        self._start(lease, account)
+        self._start(_Response(lease, account, estimate, group))
         return True
 
     def _frame_priority(self, frame: bytes) -> Priority:
@@ -326,9 +344,10 @@ class SocketRelay:
         started = max(started, now - self.state.priority_headers.max_prompt_age)
         return self.priority._replace(prompt_started_at=started)
 
-    def _start(self, lease: SlotLease, account: Account) -> None:
+    def _start(self, response: _Response) -> None:
         """The response is in flight: its slot, the idle watch over upstream's data frames, the watchdog."""
-        self.in_flight.append(_Response(lease, account))
+        self.in_flight.append(response)
+        lease = response.lease
         if self.watch is None and self.upstream_pump is not None:
             self.watch = self.state.idle_watch.watch(self.settings.idle_timeout, self.upstream_pump)
         lease.on_reclaim = self._reclaimed
@@ -420,18 +439,29 @@ class SocketRelay:
         status = _COMPLETED
         if kind == b"response.completed" or kind == b"response.incomplete":
             usage.read(data)
+            if self.windowing is not None:
+                self.ended.remember(data, usage)
         else:
             document = _parsed(data)
             if document is not None:
                 response = document.get("response")
                 usage.add(response.get("usage") if isinstance(response, dict) else None)
                 backoff = event_backoff(document)
-                if backoff is not None:
+                if backoff is not None and not self._window_hit(document, data, backoff):
                     self._report(backoff, self.in_flight[0].lease.granted_at)
                 stated = document.get("status")
                 if kind == b"error" and isinstance(stated, int) and 400 <= stated <= 599:
                     status = stated
         self._end_first(status)
+
+    def _window_hit(self, document: dict[str, Any], data: bytes, backoff: Backoff) -> bool:
+        """An error event that names a window: the window is emptied until the stated wait, with no backoff."""
+        windowing = self.windowing
+        if windowing is None:
+            return False
+        headers = document.get("headers")
+        return windowing.hit(self.state.backend, self.key, self.in_flight[0].group, backoff.status,
+                             headers if isinstance(headers, dict) else {}, data, backoff.wait) is not None
 
     def _report(self, backoff: Backoff, sent_at: float) -> float:
         """Report a backoff to what was sent at ``sent_at`` (the same-burst rule); returns the pause it calls
@@ -463,6 +493,10 @@ class SocketRelay:
     def _end(self, response: _Response, status: int, outcome: str) -> None:
         lease = response.lease
         lease.on_reclaim = None
+        if response.estimate is not None and self.windowing is not None:
+            usage = response.account.usage
+            self.windowing.settle(self.state.backend, lease, response.group, response.estimate,
+                                  None if usage is None else usage.counts())
         lease.release()
         self.state.request_finished()
         self.state.metrics.count_request(self.provider, str(status))

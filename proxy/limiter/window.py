@@ -145,7 +145,14 @@ class Bucket:
         self._level = min(self._level, remaining)
 
     def taken_since(self, since: float) -> float:
-        return sum(amount for at, amount in self._recent if at > since)
+        """What was taken after ``since``, read from the newest back: an answer asks about the requests sent
+        while it was in flight, not the last two minutes' (thousands, on a busy key)."""
+        taken = 0.0
+        for at, amount in reversed(self._recent):
+            if at <= since:
+                break
+            taken += amount
+        return taken
 
     def set_limit(self, limit: float, headroom: float, now: float) -> None:
         """A new limit: what was spent stays spent (the level moves by the change of capacity), never below

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -124,18 +125,23 @@ def actual_for(dialect: str, window: str, input_tokens: int, cached_read: int, c
 
 
 class _Recent:
-    """The last ``RECENT`` values, with their p50 and p90 kept up to date."""
+    """The last ``RECENT`` values, with their p50 and p90 kept up to date (in order as well as in arrival
+    order: one insertion per answer, not a sort)."""
 
-    __slots__ = ("p50", "p90", "values")
+    __slots__ = ("ordered", "p50", "p90", "values")
 
     def __init__(self) -> None:
-        self.values: deque[float] = deque(maxlen=RECENT)
+        self.values: deque[float] = deque()
+        self.ordered: list[float] = []
         self.p50: float | None = None
         self.p90: float | None = None
 
     def add(self, value: float) -> None:
-        self.values.append(value)
-        ordered = sorted(self.values)
+        values, ordered = self.values, self.ordered
+        values.append(value)
+        if len(values) > RECENT:
+            del ordered[bisect_left(ordered, values.popleft())]
+        insort(ordered, value)
         self.p50 = _percentile(ordered, 0.5)
         self.p90 = _percentile(ordered, 0.9)
 

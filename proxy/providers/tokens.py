@@ -87,6 +87,11 @@ class UsageReader:
 
     def counts(self) -> TokenCounts | None:
         """The normalised counts, or None when the answer stated none."""
+        totals = _normalised(self._fields) if self._fields else None
+        return None if totals is None else _new_counts(TokenCounts, totals)
+
+    def totals(self) -> tuple[int, int, int, int, int] | None:
+        """``counts()`` as a plain tuple, in its order: what a ledger row is made of, without the named tuple."""
         return _normalised(self._fields) if self._fields else None
 
 
@@ -100,40 +105,46 @@ def _object_at(text: bytes, after_key: int) -> dict[str, Any] | None:
         if opening is None:
             return None
         start = opening.end() - 1
-    for window in (_FIRST_WINDOW, _MAX_OBJECT):
+    try:
+        value = _SCAN_ONCE(text[start:start + _FIRST_WINDOW].decode("utf-8", "replace"), 0)[0]
+    except (StopIteration, ValueError, RecursionError):
+        if start + _FIRST_WINDOW >= len(text):
+            return None
         try:
-            value, _ = _SCAN_ONCE(text[start:start + window].decode("utf-8", "replace"), 0)
+            value = _SCAN_ONCE(text[start:start + _MAX_OBJECT].decode("utf-8", "replace"), 0)[0]
         except (StopIteration, ValueError, RecursionError):
-            if start + window >= len(text):
-                return None
-            continue
-        return value if isinstance(value, dict) else None
-    return None
+            return None
+    return value if type(value) is dict else None
 
 
-def _normalised(fields: dict[str, Any]) -> TokenCounts | None:
+def _normalised(fields: dict[str, Any]) -> tuple[int, int, int, int, int] | None:
+    """The five counts of ``TokenCounts``, as a plain tuple. Each count is checked where it is read, written out:
+    this runs at the end of every request that stated its usage, and a call per count is a frame per count."""
     get = fields.get
     if "prompt_tokens" in fields or "completion_tokens" in fields:
+        total_in, total_out = get("prompt_tokens"), get("completion_tokens")
         sent, received = get("prompt_tokens_details"), get("completion_tokens_details")
-        return _counts(get("prompt_tokens"), sent.get("cached_tokens") if type(sent) is dict else None, 0,
-                       get("completion_tokens"), received.get("reasoning_tokens") if type(received) is dict else None)
-    if "input_tokens" not in fields and "output_tokens" not in fields:
+    elif "input_tokens" in fields or "output_tokens" in fields:
+        creation, read = get("cache_creation_input_tokens"), get("cache_read_input_tokens")
+        if creation is not None or read is not None:  # Anthropic: input_tokens leaves the cache's out
+            return _anthropic(get("input_tokens"), read, creation, get("output_tokens"))
+        total_in, total_out = get("input_tokens"), get("output_tokens")
+        sent, received = get("input_tokens_details"), get("output_tokens_details")
+    else:
         return None
-    creation, read = get("cache_creation_input_tokens"), get("cache_read_input_tokens")
-    if creation is not None or read is not None:  # Anthropic: input_tokens leaves the cache's out
-        uncached, cached, written, output, _ = _counts(get("input_tokens"), read, creation, get("output_tokens"), 0)
-        return _new_counts(TokenCounts, (uncached + cached + written, cached, written, output, 0))
-    sent, received = get("input_tokens_details"), get("output_tokens_details")
-    return _counts(get("input_tokens"), sent.get("cached_tokens") if type(sent) is dict else None, 0,
-                   get("output_tokens"), received.get("reasoning_tokens") if type(received) is dict else None)
+    cached = sent.get("cached_tokens") if type(sent) is dict else None
+    reasoning = received.get("reasoning_tokens") if type(received) is dict else None
+    return (total_in if type(total_in) is int and 0 <= total_in < _MAX_COUNT else 0,
+            cached if type(cached) is int and 0 <= cached < _MAX_COUNT else 0,
+            0,
+            total_out if type(total_out) is int and 0 <= total_out < _MAX_COUNT else 0,
+            reasoning if type(reasoning) is int and 0 <= reasoning < _MAX_COUNT else 0)
 
 
-def _counts(total_in: object, cached: object, written: object, total_out: object, reasoning: object) -> TokenCounts:
-    """Token counts as stated; anything else (null, a string, a bool, a negative or absurd number) is 0.
-    Written out for each of the five: this runs at the end of every request that stated its usage."""
-    return _new_counts(TokenCounts, (
-        total_in if type(total_in) is int and 0 <= total_in < _MAX_COUNT else 0,
-        cached if type(cached) is int and 0 <= cached < _MAX_COUNT else 0,
-        written if type(written) is int and 0 <= written < _MAX_COUNT else 0,
-        total_out if type(total_out) is int and 0 <= total_out < _MAX_COUNT else 0,
-        reasoning if type(reasoning) is int and 0 <= reasoning < _MAX_COUNT else 0))
+def _anthropic(uncached: object, cached: object, written: object, output: object) -> tuple[int, int, int, int, int]:
+    """Token counts as stated; anything else (null, a string, a bool, a negative or absurd number) is 0."""
+    uncached = uncached if type(uncached) is int and 0 <= uncached < _MAX_COUNT else 0
+    cached = cached if type(cached) is int and 0 <= cached < _MAX_COUNT else 0
+    written = written if type(written) is int and 0 <= written < _MAX_COUNT else 0
+    return (uncached + cached + written, cached, written,
+            output if type(output) is int and 0 <= output < _MAX_COUNT else 0, 0)

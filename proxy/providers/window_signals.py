@@ -19,7 +19,8 @@ from typing import Literal
 
 from .budgets import MAX_HOLD, header_count, reset_duration, reset_instant
 
-__all__ = ["Dialect", "beyond_rounding", "most_remaining", "window_hit", "window_limits", "window_remaining"]
+__all__ = ["HEADER_NAMES", "REMAINING_HEADERS", "Dialect", "beyond_rounding", "most_remaining", "window_hit", "window_limits",
+           "window_remaining", "window_room"]
 
 Dialect = Literal["anthropic", "openai"]
 
@@ -38,6 +39,15 @@ _HEADER_WINDOWS: dict[str, dict[str, str]] = {
         "requests_per_minute": "x-ratelimit-{}-requests",
     },
 }
+HEADER_NAMES: dict[str, tuple[str, ...]] = {
+    dialect: tuple(pattern.format(part) for pattern in windows.values() for part in ("limit", "remaining", "reset"))
+    for dialect, windows in _HEADER_WINDOWS.items()}
+"""Every header (lower case) the window readers read, by dialect: a caller with many headers may pass only
+these."""
+REMAINING_HEADERS: dict[str, tuple[tuple[str, str], ...]] = {
+    dialect: tuple((window, pattern.format("remaining")) for window, pattern in windows.items())
+    for dialect, windows in _HEADER_WINDOWS.items()}
+"""(window, its ``-remaining`` header in lower case), by dialect."""
 _ROUNDED = frozenset({("anthropic", "input_tokens_per_minute"), ("anthropic", "output_tokens_per_minute")})
 
 _MAX_READ = 64 * 1024
@@ -70,6 +80,17 @@ def window_remaining(dialect: Dialect, headers: Mapping[str, str], now: float) -
         remaining = header_count(folded.get(pattern.format("remaining")))
         if remaining is not None:
             room[window] = (float(remaining), _reset_at(dialect, folded.get(pattern.format("reset")), now))
+    return room
+
+
+def window_room(dialect: Dialect, headers: Mapping[str, str]) -> dict[str, float]:
+    """Each announced window's ``-remaining`` alone (``window_remaining`` without reading the resets)."""
+    folded = _lowercase(headers)
+    room: dict[str, float] = {}
+    for window, pattern in _HEADER_WINDOWS[dialect].items():
+        remaining = header_count(folded.get(pattern.format("remaining")))
+        if remaining is not None:
+            room[window] = float(remaining)
     return room
 
 

@@ -65,10 +65,10 @@ def probe(host: str, port: int, *, port_flag: str | None = "--port", host_flag: 
         sock.close()
 
 
-def bind_every_address(host: str, port: int, option: int, *, port_flag: str | None = "--port",
+def bind_every_address(host: str, port: int, *options: int, port_flag: str | None = "--port",
                        host_flag: str | None = "--host") -> tuple[int, list[socket.socket]]:
     """Bind, without listening, a socket per address ``host`` resolves to, each with the ``SOL_SOCKET``
-    ``option`` set (IPv6 ones v6-only), all on one port (port 0: the first one's pick). Returns that port
+    ``options`` set (IPv6 ones v6-only), all on one port (port 0: the first one's pick). Returns that port
     and the sockets; on a failure closes them and raises :class:`BindFailed` (or the OSError it cannot
     explain)."""
     import socket
@@ -84,7 +84,8 @@ def bind_every_address(host: str, port: int, option: int, *, port_flag: str | No
         for family, kind, proto, _, address in dict.fromkeys(infos):
             sock = socket.socket(family, kind, proto)
             opened.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, option, 1)
+            for option in options:
+                sock.setsockopt(socket.SOL_SOCKET, option, 1)
             if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind((address[0], chosen, *address[2:]))

@@ -20,9 +20,11 @@ gone (SIGKILL included), which it takes as SIGTERM, so no worker outlives its
 parent by more than its shutdown grace.
 
 The parent holds the port for as long as it runs: a socket bound with
-``SO_REUSEPORT`` alone (no ``SO_REUSEADDR``), never listening. The workers join
-it; a program that does not set ``SO_REUSEPORT`` cannot take the port while a
-worker is being replaced, and port 0 is resolved once, for every worker.
+``SO_REUSEPORT``, never listening. The workers join it; a program that does not
+set ``SO_REUSEPORT`` cannot take the port while a worker is being replaced, and
+port 0 is resolved once, for every worker. It sets ``SO_REUSEADDR`` too, as every
+listener does, or the connections a server on that port closed in the last minute
+(in TIME-WAIT, listening nowhere) would make the port look taken.
 
 The workers answer ``/metrics`` and ``/usage`` for the whole host: the parent makes
 a private folder for their metrics files (``PROMETHEUS_MULTIPROC_DIR``, see
@@ -84,7 +86,8 @@ def describe_exit(returncode: int) -> str:
 
 @dataclass
 class Reservation:
-    """The parent's hold on the port: bound with ``SO_REUSEPORT`` on every address the host resolves to."""
+    """The parent's hold on the port: bound with ``SO_REUSEPORT`` and ``SO_REUSEADDR`` on every address the host
+    resolves to."""
 
     port: int
     sockets: list[socket.socket]
@@ -102,7 +105,7 @@ def reuse_port_missing() -> bool:
 def reserve(host: str, port: int) -> Reservation:
     """Bind, without listening, what the workers will listen on; port 0 picks one port for all of them.
     Raises :class:`~proxy.server.bind.BindFailed` (or the OSError it cannot explain)."""
-    return Reservation(*bind_every_address(host, port, socket.SO_REUSEPORT))
+    return Reservation(*bind_every_address(host, port, socket.SO_REUSEADDR, socket.SO_REUSEPORT))
 
 
 def worker_command(config_path: str, host: str, port: int, log_format: str, log_level: str) -> \

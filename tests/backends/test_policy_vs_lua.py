@@ -13,7 +13,8 @@ release cooldown, queue timeouts and queue-full (counted, with the pause-aware
 hint), queue order (starred, prompt start in whole ms, then arrival), the
 queue listing's length, and the nested limits: key choice (stickiness, then
 the most free slots, ties in config order), a backoff on one key, every key
-paused, model caps, budget holds and ``max_share``.
+paused, model caps, budget holds and ``max_share``; and the token windows' bucket math and limits rule
+(``window.Bucket`` and ``WindowBook.limits_for`` against the functions of ``lua_windows``, on given times).
 """
 
 from __future__ import annotations
@@ -543,3 +544,144 @@ async def test_both_list_the_same_number_of_waiters(key_prefix: str) -> None:
             assert doc["queue"][0]["prompt_started_at"] == -(waiters - 1)
     finally:
         await close(sides)
+
+
+# --- token windows: the bucket math and the limits rule, window.py against lua_windows -------------------
+
+_BUCKET_DRIVER = r"""
+-- ARGV: operations (JSON [[op, now_ms, x, y]...]), limit, headroom, start (ms). Returns, after each operation,
+-- the level then (and for 'wait', the wait in ms first), as %.17g text.
+local ops = cjson.decode(ARGV[1])
+local cap = capacity(tonumber(ARGV[2]), tonumber(ARGV[3]))
+local b = {hash = BASE .. 'w:probe', wid = 'probe', name = 'probe', cap = cap, level = cap, at = tonumber(ARGV[4])}
+local out = {}
+for _, op in ipairs(ops) do
+  local kind, now, x, y = op[1], op[2], op[3], op[4]
+  if kind == 'take' then bucket_take(b, x, now)
+  elseif kind == 'give' then bucket_give(b, x, now)
+  elseif kind == 'empty_until' then bucket_empty_until(b, x, now)
+  elseif kind == 'correct' then bucket_correct(b, x - bucket_taken_since(b, y), now)
+  elseif kind == 'set_limit' then bucket_set_limit(b, x, y, now)
+  elseif kind == 'wait' then table.insert(out, f17(bucket_wait(b, x, now))) end
+  table.insert(out, f17(bucket_level(b, now)))
+end
+return out
+"""
+
+_LIMITS_DRIVER = r"""
+-- ARGV: learned (JSON [[key, group, window, limit]...]), then (key, group) pairs. Returns each pair's limits
+-- as JSON {window: [limit, source]}.
+for _, entry in ipairs(cjson.decode(ARGV[1])) do
+  redis.call('HSET', BASE .. 'wlearn', entry[1] .. '\n' .. entry[2] .. '\n' .. entry[3], entry[4])
+end
+local out = {}
+for i = 2, #ARGV, 2 do table.insert(out, cjson.encode(window_limits(ARGV[i], ARGV[i + 1]))) end
+return out
+"""
+
+_BUCKET_OPS: list[tuple[Any, ...]] = [
+    ("take", 0.0, 500.0), ("wait", 0.0, 300.0), ("wait", 10.0, 300.0), ("take", 20.5, 333.25),
+    ("give", 21.0, 50.0), ("wait", 21.0, 5000.0), ("correct", 22.0, 100.0, 20.0), ("take", 22.5, 10.0),
+    ("correct", 23.0, 200.0, 22.25), ("set_limit", 24.0, 1200.0, 0.05), ("wait", 24.0, 700.0),
+    ("empty_until", 25.0, 40.0), ("wait", 30.0, 10.0), ("take", 41.0, 2000.0), ("set_limit", 42.0, 300.0, 0.0),
+    ("wait", 42.0, 299.0), ("give", 200.0, 10.0), ("take", 200.125, 0.1), ("wait", 200.125, 600.0),
+]
+
+
+def _python_bucket(ops: list[tuple[Any, ...]], limit: float, headroom: float) -> list[tuple[str, float]]:
+    """Each operation's outputs on ``window.Bucket``: ("wait", seconds) for a wait, then ("level", tokens)."""
+    from proxy.limiter.window import Bucket
+
+    bucket = Bucket(limit, T0, headroom)
+    out: list[tuple[str, float]] = []
+    for kind, at, *rest in ops:
+        now = T0 + at
+        if kind == "take":
+            bucket.take(rest[0], now)
+        elif kind == "give":
+            bucket.give(rest[0], now)
+        elif kind == "empty_until":
+            bucket.empty_until(T0 + rest[0], now)
+        elif kind == "correct":
+            bucket.correct(rest[0] - bucket.taken_since(T0 + rest[1]), now)
+        elif kind == "set_limit":
+            bucket.set_limit(rest[0], rest[1], now)
+        elif kind == "wait":
+            out.append(("wait", bucket.wait_for(rest[0], now)))
+        out.append(("level", bucket.level(now)))
+    return out
+
+
+def _lua_ops(ops: list[tuple[Any, ...]]) -> list[list[float]]:
+    """The same operations in the scripts' units: times in ms (an empty_until's and a correct's time too)."""
+    lua = []
+    for kind, at, *rest in ops:
+        args = list(rest)
+        if kind == "empty_until":
+            args[0] = (T0 + args[0]) * 1000
+        elif kind == "correct":
+            args[1] = (T0 + args[1]) * 1000
+        lua.append([kind, (T0 + at) * 1000, *args])
+    return lua
+
+
+async def _eval(prefix: str, driver: str, *args: Any) -> list[str]:
+    import redis.asyncio as aioredis
+
+    from proxy.backends.redis.lua_prelude import PRELUDE
+
+    require_redis()
+    client = aioredis.Redis.from_url(REDIS_URL)
+    base = f"{{{prefix}:p}}:"
+    keys = [base + part for part in ("cfg", "leases", "cooling", "waiters", "winfo", "whb", "granted", "seq", "stars")]
+    try:
+        return [text.decode() for text in await client.eval(PRELUDE + driver, len(keys), *keys, *args)]
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize(("limit", "headroom"), [(600.0, 0.0), (1000.0, 0.1)])
+async def test_the_window_bucket_math_is_the_same_in_lua(limit: float, headroom: float, key_prefix: str) -> None:
+    """Levels and waits after each operation of one sequence: take, give, wait_for (an amount above the whole
+    window too), correct less what was taken since, set_limit up and down, empty_until and the debt of an
+    oversize take; Lua in ms, Python in seconds."""
+    import json
+
+    expected = _python_bucket(_BUCKET_OPS, limit, headroom)
+    got = await _eval(key_prefix, _BUCKET_DRIVER, json.dumps(_lua_ops(_BUCKET_OPS)), limit, headroom, T0 * 1000)
+    assert len(got) == len(expected)
+    assert any(kind == "wait" and value > 0 for kind, value in expected)
+    for index, (lua_text, (kind, python_value)) in enumerate(zip(got, expected, strict=True)):
+        lua_value = float(lua_text) / 1000 if kind == "wait" else float(lua_text)
+        assert lua_value == pytest.approx(python_value, rel=1e-9, abs=1e-6), (index, kind, lua_text, python_value)
+
+
+async def test_the_window_limits_rule_is_the_same_in_lua(key_prefix: str) -> None:
+    """Config (the provider's, overridden by the model pattern's, then the key's) and learned limits, the
+    smaller holding when both give one, and the source of each, as ``WindowBook.limits_for`` finds them."""
+    import json
+
+    from proxy.backends.redis.leases import windows_arg
+    from proxy.limiter.window import WindowBook, WindowSettings
+
+    settings = WindowSettings(provider={"input_tokens_per_minute": 600, "requests_per_minute": 50},
+                              models={"claude-opus-*": {"input_tokens_per_minute": 200}},
+                              keys={"a": {"requests_per_minute": 20}}, learn=True, headroom=0.05)
+    learned = [["a", "claude-opus-*", "input_tokens_per_minute", 150], ["", "other", "tokens_per_minute", 900],
+               ["a", "other", "requests_per_minute", 40], ["", "claude-opus-*", "output_tokens_per_minute", 70]]
+    pairs = [("", "other"), ("a", "other"), ("a", "claude-opus-*"), ("", "claude-opus-*"), ("b", "sonnet")]
+    book = WindowBook(settings)
+    for key, group, window, limit in learned:
+        book.learn(key or None, group, window, limit)
+    require_redis()
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL)
+    client.hset(f"{{{key_prefix}:p}}:cfg", "windows", windows_arg(LimiterSettings(windows=settings)))
+    client.close()
+    got = await _eval(key_prefix, _LIMITS_DRIVER, json.dumps(learned), *(part for pair in pairs for part in pair))
+    for (key, group), raw in zip(pairs, got, strict=True):
+        lua = {window: (limit, source) for window, (limit, source) in json.loads(raw).items()}
+        python = {window: (limit, book.source(key or None, group, window))
+                  for window, limit in book.limits_for(key or None, group).items()}
+        assert lua == python, (key, group)

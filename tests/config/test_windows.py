@@ -144,13 +144,11 @@ def test_a_mistake_in_a_pool_key_gets_a_did_you_mean() -> None:
         "providers.p.keys[0].limt: unknown key (did you mean 'limit'?) (line 4)"]
 
 
-def test_windows_with_the_redis_backend_are_refused_in_one_line() -> None:
-    found = problems(SPEC + "backend: {kind: redis, url: 'redis://127.0.0.1:6379/0'}\n")
-    assert found == [(
-        "backend.kind: redis cannot hold token windows in this version (the memory backend holds them): remove "
-        'providers.anthropic.windows, providers.anthropic.models["claude-opus-*"].windows, '
-        "providers.anthropic.keys[0].windows, or set backend.kind: memory")]
-    assert parse_config(provider() + "backend: {kind: redis}\n").backend.kind == "redis", "no windows: as before"
+def test_windows_with_the_redis_backend_are_held_there() -> None:
+    """The Redis backend holds windows fleet-wide: the config that once was refused is taken as it is."""
+    config = parse_config(SPEC + "backend: {kind: redis, url: 'redis://127.0.0.1:6379/0'}\n")
+    assert config.backend.kind == "redis"
+    assert config.provider("anthropic").window_settings() == SPEC_WINDOWS
 
 
 def test_a_window_the_provider_s_api_does_not_have_is_a_warning() -> None:
@@ -213,7 +211,7 @@ def test_the_example_holds_no_window_and_its_commented_block_is_valid() -> None:
         learn=True, headroom=0.05)
 
 
-def test_check_prints_the_windows_and_refuses_them_with_redis(tmp_path: Path) -> None:
+def test_check_prints_the_windows_with_either_backend(tmp_path: Path) -> None:
     config = tmp_path / "windows.yaml"
     config.write_text(SPEC)
     result = run_cli("check", "--config", str(config))
@@ -225,6 +223,5 @@ def test_check_prints_the_windows_and_refuses_them_with_redis(tmp_path: Path) ->
 
     config.write_text(SPEC + "backend: {kind: redis, url: 'redis://127.0.0.1:6379/0'}\n")
     result = run_cli("check", "--config", str(config))
-    assert result.returncode == 2
-    problem_lines = [line for line in result.stderr.splitlines() if line.startswith("  ")]
-    assert len(problem_lines) == 1 and "cannot hold token windows" in problem_lines[0], result.stderr
+    assert result.returncode == 0, result.stderr
+    assert "    windows:\n      input_tokens_per_minute: 450000\n" in result.stdout

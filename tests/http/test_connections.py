@@ -23,19 +23,24 @@ import resource
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.http.connections import connection_cap
+from proxy.config import parse_config
+from proxy.http.connections import ConnectionGuard, ConnectionSettings, connection_cap
+from proxy.http.runtime import ProxyState
+from proxy.server.app import start_server
 
 from ..conftest import Proxy, chat, free_port, serve_app, wait_until
 from ..system.test_security import REPO, stop, wait_healthy
 from .test_bad_input import (
+    RawResponse,
     Recorder,
     assert_error,
     read_response,
@@ -46,6 +51,7 @@ from .test_bad_input import (
 
 CHUNK = b"data: " + b"x" * (64 * 1024 - 8) + b"\n\n"
 CHAT = json.dumps(chat()).encode()
+T = TypeVar("T")
 
 
 def proxy_yaml(upstream_url: str, *, server: str = "", provider: str = "") -> str:
@@ -333,45 +339,88 @@ async def test_more_idle_connections_than_file_descriptors_leave_the_proxy_servi
     assert "closed an idle client connection to make room" in written, written
 
 
-async def test_at_max_connections_all_busy_a_new_connection_gets_503_and_the_busy_ones_finish(
-    start_proxy, streamer, caplog
-) -> None:
-    proxy = await start_proxy(proxy_yaml(streamer.url, server="max_connections: 16"))
-    assert proxy.state.connections.cap == 16
-    url = f"{proxy.url}/openai/chat/completions"
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+def run_in(loop: str, main: Coroutine[Any, Any, T]) -> T:
+    """``main`` run to its end in a fresh event loop of the kind named: ``asyncio``'s own, or ``uvloop``
+    (the one ``slotproxy serve`` runs on where it is installed)."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return cast(T, uvloop.run(main))
+    return asyncio.run(main)
 
-        async def busy() -> tuple[int, bytes]:
-            async with session.post(url, json=chat()) as resp:
-                return resp.status, await resp.read()
 
-        tasks = [asyncio.create_task(busy()) for _ in range(16)]
-        try:
-            await wait_until(lambda: streamer.arrived == 16, what="16 requests at the upstream")
-            assert proxy.state.connections.open_count == 16
-            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+async def refused_past_the_cap(tmp_path: Path) -> tuple[list[tuple[int, bytes]], RawResponse, bool, int]:
+    """16 busy streams through a proxy capped at 16 connections, and one connection more: what the 16 got,
+    what the 17th got, whether it was closed within 3 s, and the upstream's request count."""
+    streamer = Streamer()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", streamer.chat)
+    upstream, upstream_port = await serve_app(app)
+    config = parse_config(proxy_yaml(f"http://127.0.0.1:{upstream_port}", server="max_connections: 16")
+                          + f"ledger: {{path: '{tmp_path / 'ledger.sqlite'}'}}\n")
+    runner, port = await start_server(ProxyState(config), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}/openai/chat/completions"
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+            async def busy() -> tuple[int, bytes]:
+                async with session.post(url, json=chat()) as resp:
+                    return resp.status, await resp.read()
+
+            tasks = [asyncio.create_task(busy()) for _ in range(16)]
             try:
-                refused = await read_response(reader, timeout=5)
-                assert await closed_soon(reader), "the refused connection stayed open"
+                await wait_until(lambda: streamer.arrived == 16, what="16 requests at the upstream")
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                try:
+                    refused = await read_response(reader, timeout=3)
+                    closed = await closed_soon(reader)
+                finally:
+                    await close(writer)
+                streamer.release.set()
+                results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
             finally:
-                await close(writer)
-            assert refused.status == 503, refused
-            assert_error(refused.body, "too_many_connections")
-            assert refused.headers["retry-after"] == "1"
-            assert "server" not in refused.headers
-            streamer.release.set()
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
-        finally:
-            streamer.release.set()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+                streamer.release.set()
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await runner.cleanup()
+        await upstream.cleanup()
+    return results, refused, closed, streamer.arrived
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_at_max_connections_all_busy_a_new_connection_gets_503_and_the_busy_ones_finish(
+    loop: str, tmp_path: Path, caplog
+) -> None:
+    """On every event loop: uvloop's transports are no ``asyncio.Transport``, and a refusal that assumed
+    one left the client waiting forever while the log said it was refused."""
+    caplog.set_level(logging.INFO, logger="slotproxy.connections")
+    results, refused, closed, arrived = run_in(loop, refused_past_the_cap(tmp_path))
+    assert refused.status == 503, refused
+    assert_error(refused.body, "too_many_connections")
+    assert refused.headers["retry-after"] == "1"
+    assert "server" not in refused.headers
+    assert closed, "the refused connection stayed open"
     assert [status for status, _ in results] == [200] * 16
     assert all(body.endswith(b"data: [DONE]\n\n") for _, body in results)
-    assert streamer.arrived == 16
-    await wait_until(lambda: in_flight_and_queued(proxy) == (0, 0), what="in_flight 0 and queued 0")
+    assert arrived == 16
     refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused a client connection")]
-    assert len(refusals) == 1 and refusals[0].startswith("refused a client connection: 16 open"), refusals
+    assert refusals == ["refused a client connection: 16 open, every one busy (server.max_connections is 16)"]
+
+
+def test_the_refusal_says_the_cap_was_lowered_only_when_the_open_files_limit_lowered_it() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft > 300, soft  # pytest's own soft limit: the test lowers it for a moment, never raises it
+    resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))
+    try:
+        lowered = ConnectionGuard(ConnectionSettings(max_connections=4096))
+        kept = ConnectionGuard(ConnectionSettings(max_connections=100))
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert lowered.cap == connection_cap(4096, 300) == 118
+    assert lowered.cap_reason() == "server.max_connections is 4096, lowered to 118 by the open files limit"
+    assert kept.cap == 100
+    assert kept.cap_reason() == "server.max_connections is 100"
 
 
 async def test_at_max_connections_all_idle_the_oldest_idle_one_makes_room(start_proxy, rec, client, caplog) -> None:

@@ -591,3 +591,50 @@ async def test_graceful_shutdown_closes_idle_sockets_and_lets_a_response_finish(
     events = await until_terminal(busy)
     assert events[-1]["type"] == "response.completed"
     await stopping
+
+
+def tokens_window(proxy: Proxy) -> dict[str, Any]:
+    rows = [row for row in proxy.status()["windows"] if row["window"] == "tokens_per_minute"]
+    assert len(rows) == 1, proxy.status().get("windows")
+    return rows[0]
+
+
+async def test_a_continuation_is_charged_the_conversation_it_continues(start_upstream, start_proxy,
+                                                                       client) -> None:
+    """OpenAI charges a ``previous_response_id`` frame for the whole conversation: its estimate is the
+    previous response's reported input and output, plus the new frame's bytes."""
+    up = await start_upstream(tpm=1_000_000)
+    proxy = await start_proxy(ws_yaml(up, windows="{tokens_per_minute: 1000000}"))
+    async with connect(client, proxy) as ws:
+        await create(ws, usage={"input": 50_000, "output": 3_000})
+        first = (await until_terminal(ws))[-1]
+        assert first["type"] == "response.completed"
+        assert tokens_window(proxy)["reserved"] == 0
+        await ws.send_str(json.dumps({"type": "response.create", "model": "gpt-5", "input": [],
+                                      "previous_response_id": first["response"]["id"],
+                                      "x_fake": {"delay-ms": 200, "chunks": 3}}))
+        await wait_until(lambda: tokens_window(proxy)["reserved"] > 0, what="the continuation in flight")
+        assert tokens_window(proxy)["reserved"] >= 53_000, "the previous response's 50000 in and 3000 out"
+        last = (await until_terminal(ws))[-1]
+        assert last["type"] == "response.completed"
+    row = tokens_window(proxy)
+    assert (row["reserved"], row["hits"]) == (0, 0)
+    assert up.fake.stats()["rate_limited"] == 0
+
+
+async def test_a_window_error_frame_empties_the_window_without_a_backoff(start_upstream, start_proxy,
+                                                                          client) -> None:
+    up = await start_upstream(tpm=10_000)
+    proxy = await start_proxy(ws_yaml(up, limit=4, windows="{tokens_per_minute: 1000000, learn: false}"))
+    async with connect(client, proxy) as ws:
+        await create(ws, usage={"input": 9_990, "output": 1})
+        assert (await until_terminal(ws))[-1]["type"] == "response.completed"
+        await create(ws, usage={"input": 500, "output": 1})
+        refused = (await until_terminal(ws))[-1]
+        assert (refused["type"], refused["status"]) == ("error", 429)
+        assert "tokens per min (TPM)" in refused["error"]["message"]
+    document = await status(proxy)
+    assert (document["limit"], document["auto_reduced"], document["notice"], document["paused"]) == \
+        (4, False, None, False)
+    row = tokens_window(proxy)
+    assert (row["hits"], row["reserved"]) == (1, 0)

@@ -117,3 +117,22 @@ def test_a_usage_object_longer_than_the_first_window_is_read_whole() -> None:
     padding = {f"extra_{n}": "x" * 40 for n in range(80)}  # some 4 KiB of fields a provider may add
     body = json.dumps({"id": "r", "usage": {**padding, "prompt_tokens": 7, "completion_tokens": 3}}).encode()
     assert read(body) == TokenCounts(input_tokens=7, output_tokens=3)
+
+
+@pytest.mark.parametrize("usage", [
+    CHAT_USAGE,
+    RESPONSES_USAGE,
+    {"input_tokens": 10, "cache_creation_input_tokens": 200, "cache_read_input_tokens": 3000, "output_tokens": 1},
+    {"input_tokens": 10, "cache_read_input_tokens": None, "cache_creation_input_tokens": 5},
+    {"prompt_tokens": "many", "completion_tokens": -3, "prompt_tokens_details": {"cached_tokens": True},
+     "completion_tokens_details": {"reasoning_tokens": 1.5}},
+    {"input_tokens": 1 << 53, "output_tokens": (1 << 53) - 1, "input_tokens_details": [], "output_tokens_details": None},
+    {"output_tokens": 4},
+    {"total_tokens": 9},
+])
+def test_a_rows_plain_totals_are_the_named_counts(usage: dict[str, object]) -> None:
+    reader = UsageReader()
+    reader.read(json.dumps({"id": "x", "usage": usage}, separators=(",", ":")).encode())
+    totals, counts = reader.totals(), reader.counts()
+    assert totals == (None if counts is None else tuple(counts))
+    assert totals is None or type(totals) is tuple  # a ledger row is made without a named tuple in between

@@ -7,25 +7,35 @@ in ``OSError: [Errno 98]`` (or 99, or 13).
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+import time
+import uuid
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any, TypeVar, cast
 
 import pytest
 
 from proxy.config import parse_config
+from proxy.http.runtime import ProxyState
+from proxy.server.app import start_server
 from proxy.server.bind import BindFailed, describe, unprivileged_port_start
+from proxy.server.workers import reserve
 
+from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
 from ..conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_HERE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no machine has it
 PYTHON = os.path.basename(sys.executable)
+T = TypeVar("T")
 
 HOLDER = textwrap.dedent("""\
     import socket, sys, time
@@ -230,3 +240,100 @@ def test_the_probe_lets_go_of_what_it_bound() -> None:
     probe("127.0.0.1", port)
     with socket.socket() as again:  # no SO_REUSEADDR: nothing of the probe's may linger
         again.bind(("127.0.0.1", port))
+
+
+# --- a port a server let go of a moment ago --------------------------------------------------------
+
+PLAIN = "state: {path: null}\nledger: {path: null}\nproviders: {openai: {upstream: 'http://127.0.0.1:9/v1'}}\n"
+
+
+def run_in(loop: str, main: Coroutine[Any, Any, T]) -> T:
+    """``main`` in a fresh event loop: ``asyncio``'s own, or ``uvloop`` (what ``serve`` runs on)."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return cast(T, uvloop.run(main))
+    return asyncio.run(main)
+
+
+def time_wait_sockets(port: int) -> int:
+    """How many TCP sockets on local ``port`` are in TIME-WAIT (state 06 in ``/proc/net/tcp``)."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for line in lines if int(line.split()[1].split(":")[1], 16) == port and line.split()[3] == "06")
+
+
+async def served_and_stopped() -> int:
+    """A plain ``serve`` on a port of its own that served three clients, closing each connection first (the
+    clients asked for ``Connection: close``), then stopped: its port, listening nowhere, in TIME-WAIT."""
+    runner, port = await start_server(ProxyState(parse_config(PLAIN)), "127.0.0.1", 0)
+    try:
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode())
+            assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200 ")
+            writer.close()
+            await writer.wait_closed()
+    finally:
+        await runner.cleanup()
+    return port
+
+
+async def two_workers_on(port: int) -> list[int]:
+    """What ``serve --workers 2`` binds, in this loop: the parent's reservation, then two listeners beside it."""
+    reservation = reserve("127.0.0.1", port)
+    runners = []
+    try:
+        for _ in range(2):
+            runners.append(await start_server(ProxyState(parse_config(PLAIN)), "127.0.0.1", port, reuse_port=True))
+    finally:
+        for runner, _ in runners:
+            await runner.cleanup()
+        reservation.close()
+    return [bound for _, bound in runners]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_workers_bind_a_port_whose_last_server_closed_connections_a_moment_ago(loop: str) -> None:
+    """Its connections wait in TIME-WAIT for a minute, listening nowhere; a reservation without
+    ``SO_REUSEADDR`` took them for another program."""
+    port = run_in(loop, served_and_stopped())
+    assert time_wait_sockets(port) >= 1
+    assert run_in(loop, two_workers_on(port)) == [port, port]
+
+
+def spawn_fleet(config: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    with log.open("wb") as err:
+        return subprocess.Popen([sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port),
+                                 "--workers", "2"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+
+
+async def test_serve_with_workers_starts_on_a_port_whose_last_server_closed_connections_a_moment_ago(
+        tmp_path: Path) -> None:
+    require_redis()
+    port = await served_and_stopped()
+    assert time_wait_sockets(port) >= 1
+    prefix = f"slotproxy-test-{uuid.uuid4().hex[:10]}"
+    config = tmp_path / "slotproxy.yaml"
+    config.write_text(PLAIN.replace("ledger: {path: null}\n", f"backend: {{kind: redis, url: '{REDIS_URL}', "
+                                    f"key_prefix: {prefix}}}\nserver: {{shutdown_grace: 1s}}\n"))
+    log = tmp_path / "stderr.log"
+    fleet = spawn_fleet(config, port, log)
+    try:
+        deadline = time.monotonic() + 20
+        while "dashboard: " not in log.read_text() and fleet.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert "with 2 workers" in log.read_text(), log.read_text()
+        fleet.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(fleet.wait, 20) == 0, log.read_text()
+    finally:
+        if fleet.poll() is None:
+            fleet.kill()
+            fleet.wait()
+        delete_prefix(REDIS_URL, prefix)
+
+
+def test_a_reservation_still_names_the_program_that_listens_on_the_port(held_port) -> None:
+    port, pid = held_port
+    with pytest.raises(BindFailed) as failed:
+        reserve("127.0.0.1", port)
+    assert str(failed.value) == (f'cannot listen on 127.0.0.1:{port}: the port is in use (by pid {pid} '
+                                 f'"{PYTHON} holder.py"); stop it or choose another port with --port')

@@ -36,14 +36,14 @@ from redis.exceptions import RedisError
 from ...errors import ProxyError, UnknownLimit, UnknownProvider
 from ...ledger.report import UsageQuery
 from ...ledger.store import LedgerRow
-from ...limiter import Budget, Clock, LimiterSettings, ProviderStatus, SlotLease, policy
+from ...limiter import Budget, Clock, LimiterSettings, ProviderStatus, policy
 from ...limiter.watchdog import SlotWatchdog
 from ...logs import BackoffLog
 from .client import SCRIPTS, text
 from .fleet import RedisFleetUsage
-from .leases import SlotKeeper
 from .link import RedisTarget, open_link
 from .status import limit_arg, status_from, unread_status
+from .windows import WindowKeeper
 
 __all__ = ["RedisBackend"]
 
@@ -53,9 +53,9 @@ _HEALTH_EVERY = 0.5
 _HEALTH_TIMEOUT = 1.0
 
 
-class RedisBackend(SlotKeeper):
-    """The ``Backend`` on Redis: ``SlotKeeper``'s waiting and holding, with the config, the limits and
-    reports every replica shares, the status snapshot and the fleet's usage."""
+class RedisBackend(WindowKeeper):
+    """The ``Backend`` on Redis: ``SlotKeeper``'s waiting and holding and ``WindowKeeper``'s token windows,
+    with the config, the limits and reports every replica shares, the status snapshot and the fleet's usage."""
 
     def __init__(
         self,
@@ -197,28 +197,6 @@ class RedisBackend(SlotKeeper):
         if not self.healthy:
             self._local.report_budget(provider, budget, key)
 
-    # Token windows are held by the memory backend in this version: ``acquire`` refuses a cost, so no lease
-    # here took from a window, and what answers say of windows has nothing to correct.
-
-    def settle_windows(self, provider: str, lease: SlotLease, actual: Mapping[str, float],
-                       rules: Mapping[str, str]) -> None:
-        return None
-
-    def report_window_hit(self, provider: str, key: str | None, group: str | None, window: str,
-                          until: float) -> None:
-        return None
-
-    def report_window_limits(self, provider: str, key: str | None, group: str | None,
-                             limits: Mapping[str, int]) -> None:
-        return None
-
-    def report_window_remaining(self, provider: str, key: str | None, group: str | None,
-                                remaining: Mapping[str, float], answered_at: float) -> None:
-        return None
-
-    def window_limits(self, provider: str, key: str | None, group: str | None) -> dict[str, int]:
-        return {}
-
     @staticmethod
     def _key_level(settings: LimiterSettings | None, key: str | None) -> str | None:
         """The level a key's answer reports to ('' for the provider's own); None for a key the config
@@ -295,6 +273,7 @@ class RedisBackend(SlotKeeper):
                 continue
             self._snapshot[provider] = status_from(provider, result, self._settings[provider],
                                                    self._reclaims.get(provider, 0))
+            self._learned_from(self._snapshot[provider])
 
     def statistics(self, *, queue_detail: bool = True) -> list[ProviderStatus]:
         statuses = [self.provider_status(name) for name in self._settings]

@@ -17,10 +17,11 @@ from typing import Any
 from redis.exceptions import RedisError, ResponseError
 
 from ...aio import result_if_any
-from ...errors import QueueFull, QueueTimeout, UnknownProvider, WindowsUnsupported
+from ...errors import QueueFull, QueueTimeout, UnknownProvider
 from ...limiter import Clock, LimiterSettings, LoopClock, Priority, SlotLease, policy
 from ...limiter.deadlines import Deadlines
 from ...limiter.watchdog import SlotWatchdog
+from ...limiter.window import OTHER_GROUP
 from ..memory import MemoryBackend
 from .client import ScriptClient, Wire, text
 from .status import limit_arg
@@ -42,8 +43,10 @@ class RedisLease:
 
     __slots__ = (
         "_backend",
+        "cost",
         "granted_at",
         "granted_at_ms",
+        "group",
         "key",
         "lease_id",
         "lease_lost",
@@ -56,11 +59,8 @@ class RedisLease:
         "renewed_at",
         "seq",
         "waiter_id",
+        "windows_settled",
     )
-
-    cost: Mapping[str, float] | None = None
-    """Token windows are not held here in this version: a Redis lease never took from one."""
-    group: str | None = None
 
     def __init__(self, backend: SlotKeeper, provider: str, waiter_id: str, lease_id: str, granted_at_ms: int,
                  queue_wait: float, priority: Priority, seq: int, key: str | None = None) -> None:
@@ -79,6 +79,10 @@ class RedisLease:
         self.released = False
         self.reclaimed = False
         self.lease_lost = False
+        self.cost: Mapping[str, float] | None = None
+        """What it took from its windows when granted (None: no window applied)."""
+        self.group: str | None = None
+        self.windows_settled = False
 
     def release(self) -> None:
         if self.released:
@@ -108,9 +112,9 @@ class _Waiter:
     ``expiring``: its queue_timeout passed and its CANCEL is on the way; a grant that lands now is
     handed back by that CANCEL, not taken."""
 
-    __slots__ = ("asked_at", "client_bound", "client_wait", "deadline", "deadline_armed", "expiring", "future", "gone",
-                 "in_redis", "key", "local", "model", "pattern", "priority", "provider", "seq", "wait_limit",
-                 "waiter_id")
+    __slots__ = ("asked_at", "client_bound", "client_wait", "cost", "deadline", "deadline_armed", "expiring", "future",
+                 "gone", "group", "in_redis", "key", "local", "model", "pattern", "priority", "provider", "seq",
+                 "wait_limit", "waiter_id")
 
     def __init__(self, waiter_id: str, future: asyncio.Future[RedisLease], provider: str, priority: Priority,
                  asked_at: float) -> None:
@@ -133,6 +137,9 @@ class _Waiter:
         self.pattern: str | None = None
         self.deadline: float | None = None
         self.deadline_armed = False
+        self.cost: dict[str, float] | None = None
+        """What it takes from the windows of its model ``group`` when granted (None: no window cost)."""
+        self.group: str | None = None
 
     @property
     def queued(self) -> bool:
@@ -173,6 +180,9 @@ class SlotKeeper(ScriptClient):
         self._watchdogs: dict[str, SlotWatchdog[RedisLease]] = {}
         """This replica's held slots per provider, under slot_timeout (a provider dropped by a reload keeps
         its watchdog for the slots still held)."""
+        self._dispatch_timers: dict[str, tuple[float, asyncio.TimerHandle]] = {}
+        """One timer per provider for the next time-based change of its room (a pause's end, a window's
+        refill), at the earliest such time known."""
 
     def _rejoin(self) -> None:
         for provider in self._settings:
@@ -191,7 +201,8 @@ class SlotKeeper(ScriptClient):
         recovering = policy.recovering_notice("{N}", "{TARGET}", settings.recovery_after or 0.0)
         done = await self._guarded("CONFIGURE", provider, limit_arg(settings.limit),
                                    int(settings.release_cooldown * 1000), recovering,
-                                   recovery_ms, self._lease_ttl_ms, self._channel, settle_ms, _layout(settings))
+                                   recovery_ms, self._lease_ttl_ms, self._channel, settle_ms, _layout(settings),
+                                   windows_arg(settings))
         if done is not None:
             self._configured.add(provider)
             await self._guarded("RESTAR", provider, self._lease_ttl_ms, self._channel, *sorted(self._starred))
@@ -213,13 +224,9 @@ class SlotKeeper(ScriptClient):
         settings = self._settings.get(provider)
         if settings is None:
             raise UnknownProvider.named(provider)
-        if cost:
-            raise WindowsUnsupported(
-                f"provider '{provider}' asked for token windows, which the Redis backend does not hold in this "
-                "version; use backend kind 'memory' for windows, or remove the provider's windows")
         if not self.healthy and self._mode == "local":
             return await self._local.acquire(provider, priority, seq=seq, client_wait=client_wait, model=model,
-                                             key=key)
+                                             key=key, cost=cost, group=group)
         loop = asyncio.get_running_loop()
         waiter_id = f"{self.replica}-{next(self._ids)}"
         waiter = _Waiter(waiter_id, loop.create_future(), provider, priority, loop.time())
@@ -227,6 +234,8 @@ class SlotKeeper(ScriptClient):
         waiter.client_wait = client_wait
         waiter.model = model
         waiter.key = key if settings.pool() else None
+        if cost:
+            waiter.cost, waiter.group = dict(cost), group or OTHER_GROUP
         if settings.models:
             waiter.pattern = policy.model_pattern(model, [cap.pattern for cap in settings.models])
         waiter.deadline = None if waiter.wait_limit is None else self.clock.time() + waiter.wait_limit
@@ -314,7 +323,7 @@ class SlotKeeper(ScriptClient):
                     waiter.local = True
                     return await self._local.acquire(waiter.provider, waiter.priority, seq=seq,
                                                      client_wait=waiter.client_wait, model=waiter.model,
-                                                     key=waiter.key)
+                                                     key=waiter.key, cost=waiter.cost, group=waiter.group)
                 self._arm_deadline(waiter)
                 await self._wait_or_expire(waiter)
         status, detail, waiter.seq = int(result[0]), text(result[1]), int(result[2])
@@ -354,7 +363,8 @@ class SlotKeeper(ScriptClient):
                 "" if waiter.seq is None else waiter.seq, self._lease_ttl_ms, self._waiter_ttl_ms,
                 settings.max_queue, self._channel, waiter.pattern or "",
                 (self._sticky.get(priority.conversation) or "") if settings.keys else "",
-                waiter.key or "", _TRANSPORT_ARGS.get(priority.transport, ""), (waiter.model or "")[:256])
+                waiter.key or "", _TRANSPORT_ARGS.get(priority.transport, ""), (waiter.model or "")[:256],
+                "" if waiter.cost is None else json.dumps(waiter.cost), waiter.group or "")
         result = await self._run("ENQUEUE", waiter.provider, *args)
         if int(result[0]) == _UNCONFIGURED:
             await self._configure_one(waiter.provider)
@@ -364,10 +374,12 @@ class SlotKeeper(ScriptClient):
         return result
 
     def _adopt(self, waiter_id: str, waiter: _Waiter, grant: str) -> RedisLease:
-        lease_id, granted_at, key = _grant_parts(grant)
+        lease_id, granted_at, key, took = _grant_parts(grant)
         queue_wait = asyncio.get_running_loop().time() - waiter.asked_at
         lease = RedisLease(self, waiter.provider, waiter_id, lease_id, int(granted_at), queue_wait, waiter.priority,
                            waiter.seq or 0, key)
+        if took:
+            lease.cost, lease.group = waiter.cost, waiter.group
         self._sticky.remember(waiter.priority.conversation, key)
         self._leases[lease_id] = lease
         self._watchdogs[waiter.provider].hold(lease)
@@ -408,14 +420,32 @@ class SlotKeeper(ScriptClient):
                    lambda answer: self._schedule_dispatch(provider, int(text(answer[1]))))
 
     def _schedule_dispatch(self, provider: str, at_ms: int) -> None:
-        """Run a dispatch when a pause or cooldown ends, if this replica has waiters then."""
+        """Run a dispatch when a pause or cooldown ends or a held window has refilled, if this replica has
+        waiters then: one timer per provider, at the earliest such time (its dispatch's answer sets the
+        next). Times beyond a renew interval are left to the renew loop, which brings them closer."""
         if at_ms <= 0 or not self._waiters:
             return
         delay = max(0.0, at_ms / 1000.0 - time.time()) + 0.005
         if delay > self._renew_every:
             return
         loop = asyncio.get_running_loop()
-        loop.call_later(delay, lambda: self._spawn(self._guarded("DISPATCH", provider, self._lease_ttl_ms, self._channel)))
+        when = loop.time() + delay
+        pending = self._dispatch_timers.get(provider)
+        if pending is not None:
+            if pending[0] <= when:
+                return
+            pending[1].cancel()
+        self._dispatch_timers[provider] = (when, loop.call_at(when, self._dispatch_now, provider))
+
+    def _dispatch_now(self, provider: str) -> None:
+        self._dispatch_timers.pop(provider, None)
+        if not self._closed:
+            self._spawn(self._dispatch(provider))
+
+    async def _dispatch(self, provider: str) -> None:
+        answer = await self._guarded("DISPATCH", provider, self._lease_ttl_ms, self._channel)
+        if answer is not None:
+            self._schedule_dispatch(provider, int(text(answer)))
 
     async def _listen(self) -> None:
         while not self._closed:
@@ -549,8 +579,20 @@ def _layout(settings: LimiterSettings) -> str:
     return json.dumps(layout)
 
 
-def _grant_parts(grant: str) -> tuple[str, str, str | None]:
-    """A grant as the scripts write it: "lease granted_at key" (key empty without a pool)."""
+def windows_arg(settings: LimiterSettings) -> str:
+    """The provider's window settings as CONFIGURE stores them for the scripts ('' : no window is held)."""
+    windows = settings.windows
+    if windows is None:
+        return ""
+    return json.dumps({"p": dict(windows.provider), "m": {p: dict(m) for p, m in windows.models.items()},
+                       "k": {k: dict(m) for k, m in windows.keys.items()}, "learn": windows.learn,
+                       "h": windows.headroom}, sort_keys=True)
+
+
+def _grant_parts(grant: str) -> tuple[str, str, str | None, bool]:
+    """A grant as the scripts write it: "lease granted_at key[ w]" (key empty without a pool; ``w``: its
+    window cost was taken with it)."""
     lease_id, granted_at, *rest = grant.split(" ")
-    return lease_id, granted_at, (rest[0] or None) if rest else None
+    key = (rest[0] or None) if rest else None
+    return lease_id, granted_at, key, rest[1:2] == ["w"]
 

@@ -32,7 +32,10 @@ the cfg's limit, pause, reduction and budget fields) and ``...:lv:<level>:leases
 it has model caps or a share, waiters are also kept per class
 (``...:q:<pattern>\n<workspace>``, names in the set ``...:classes``) so that a
 full cap never holds up a waiter of another class. These keys are derived from
-``KEYS[1]`` inside the scripts and share its hash tag, so one node of a Cluster holds them.
+``KEYS[1]`` inside the scripts and share its hash tag, so one node of a Cluster holds them; so do the
+token windows' buckets (``w:...``, see ``lua_windows``): a grant takes a waiter's slots and its window cost
+in one script, and a head its windows hold leaves the earliest refill time in ``window_wake`` for
+``next_event``, which the waiting replica sets its one dispatch timer by.
 
 The rules are the policy's (:mod:`proxy.limiter.policy`). What it decides reaches
 the scripts as arguments or settings fields: notice templates (auto-reduced,
@@ -64,12 +67,14 @@ from __future__ import annotations
 from .lua_prelude import PRELUDE
 
 __all__ = ["BACKOFF", "BUDGET", "CANCEL", "CONFIGURE", "DISPATCH", "ENQUEUE", "PICK_KEY", "RELEASE", "RENEW", "RESTAR",
-           "SET_COOLDOWN", "SET_LIMIT", "STATS", "USAGE_ADD"]
+           "SET_COOLDOWN", "SET_LIMIT", "STATS", "USAGE_ADD", "WINDOW_CORRECT", "WINDOW_HIT", "WINDOW_LEARN",
+           "WINDOW_SETTLE"]
 
 ENQUEUE = PRELUDE + r"""
 -- ARGV: id, replica, workspace, header_starred, prompt_ms, conversation, seq ('' = new),
 --       lease_ttl, waiter_ttl, max_queue, channel, model cap pattern ('' = none), preferred key ('' = none),
---       pinned key ('' = any key of the pool), transport ('' = http, 'ws' = websocket), model ('' = none named)
+--       pinned key ('' = any key of the pool), transport ('' = http, 'ws' = websocket), model ('' = none named),
+--       window cost (JSON, window name -> amount; '' = none), model group of its windows
 local now = now_ms()
 cleanup(now)
 local done = redis.call('HGET', KEYS[7], ARGV[1])
@@ -87,9 +92,11 @@ else
   seq = redis.call('INCR', KEYS[8])
 end
 local starred = ARGV[4] == '1' or redis.call('SISMEMBER', KEYS[9], ARGV[3]) == 1
+local cost = ARGV[17] ~= '' and ARGV[17] or nil
 local info = {m = waiter_member(starred, tonumber(ARGV[5]), seq, ARGV[1]), r = ARGV[2], w = ARGV[3], s = ARGV[4],
   p = tonumber(ARGV[5]), q = seq, c = ARGV[6], t = now, pt = ARGV[12], k = ARGV[13],
-  cl = waiter_class(ARGV[12], ARGV[3], ARGV[14])}
+  cl = waiter_class(ARGV[12], ARGV[3], ARGV[14], cost and ARGV[18])}
+if cost then info.wc, info.wg = cost, ARGV[18] end
 if ARGV[14] ~= '' then info.kp = ARGV[14] end
 if ARGV[15] ~= '' then info.tr = ARGV[15] end
 if ARGV[16] ~= '' then info.md = ARGV[16] end
@@ -274,7 +281,8 @@ CONFIGURE = PRELUDE + r"""
 -- ARGV: configured limit ('none' or n), configured cooldown_ms, recovering notice template ({N}, {TARGET}),
 --       recovery_ms, lease_ttl, channel,
 --       settle_ms (how long to hold grants back if this re-creates the provider after Redis lost its data),
---       layout (JSON: {keys = [{n, l, a}], models = [{p, l}], share})
+--       layout (JSON: {keys = [{n, l, a}], models = [{p, l}], share}),
+--       windows (JSON: {p, m, k, learn, h}, see lua_windows; '' = none held)
 -- A changed configured value is a manual act: it replaces the effective one and clears any auto-reduction.
 local now = now_ms()
 if not configured() then
@@ -293,19 +301,27 @@ local old_cooldown = redis.call('HGET', KEYS[1], 'configured_cooldown_ms')
 if old_cooldown ~= ARGV[2] then
   redis.call('HSET', KEYS[1], 'cooldown_ms', ARGV[2], 'configured_cooldown_ms', ARGV[2])
 end
-local was_classed, had_share = layout().classed, layout().share ~= nil
-redis.call('HSET', KEYS[1], 'recovering_notice', ARGV[3], 'recovery_ms', ARGV[4], 'layout', ARGV[8])
+local was_classed, had_share, had_windows = layout().classed, layout().share ~= nil, layout().win ~= nil
+local windows_changed = (redis.call('HGET', KEYS[1], 'windows') or '') ~= ARGV[9]
+redis.call('HSET', KEYS[1], 'recovering_notice', ARGV[3], 'recovery_ms', ARGV[4], 'layout', ARGV[8], 'windows', ARGV[9])
 layout_cache = nil
+if windows_changed and layout().win == nil then
+  windows_drop()
+elseif windows_changed then
+  -- a reload: every bucket takes its new limit (learned ones forgotten when learning is off)
+  if not layout().win.learn then redis.call('DEL', BASE .. 'wlearn') end
+  window_refresh_all(now)
+end
 for _, key in ipairs(layout().keys) do configure_level(level_hash('k:' .. key.n), key.l) end
 for _, cap in ipairs(layout().models) do configure_level(level_hash('m:' .. cap.p), cap.l) end
-if was_classed ~= layout().classed or had_share ~= (layout().share ~= nil) then
+if was_classed ~= layout().classed or had_share ~= (layout().share ~= nil) or had_windows ~= (layout().win ~= nil) then
   -- waiters are kept apart differently now: file each under its new class
   for _, class in ipairs(redis.call('SMEMBERS', BASE .. 'classes')) do redis.call('DEL', BASE .. 'q:' .. class) end
   redis.call('DEL', BASE .. 'classes')
   local all = redis.call('HGETALL', KEYS[5])
   for i = 1, #all, 2 do
     local info = cjson.decode(all[i + 1])
-    info.cl = waiter_class(info.pt or '', info.w, info.kp)
+    info.cl = waiter_class(info.pt or '', info.w, info.kp, info.wc and info.wg)
     queue_entry(info)
     redis.call('HSET', KEYS[5], all[i], cjson.encode(info))
   end
@@ -342,7 +358,8 @@ return 1
 
 STATS = PRELUDE + r"""
 -- ARGV: queue entries (and holders) to list. Returns {cfg pairs, leases, cooling, queued, now, queue infos...,
---          levels: {level id, its hash pairs, its leases}..., pause end, holders: lmap entries, longest held first}
+--          levels: {level id, its hash pairs, its leases}..., pause end, holders: lmap entries, longest held first,
+--          window rows (JSON; '' without windows)}
 local now = now_ms()
 cleanup(now)
 local head = redis.call('ZRANGE', KEYS[4], 0, tonumber(ARGV[1]) - 1)
@@ -377,7 +394,8 @@ if listed > 0 then
   for i, holder in ipairs(holders) do holders[i] = cjson.encode(holder) end
 end
 return {redis.call('HGETALL', KEYS[1]), redis.call('ZCARD', KEYS[2]), redis.call('ZCARD', KEYS[3]),
-        redis.call('ZCARD', KEYS[4]), tostring(now), infos, levels, tostring(pause_end(now)), holders}
+        redis.call('ZCARD', KEYS[4]), tostring(now), infos, levels, tostring(pause_end(now)), holders,
+        window_rows(now)}
 """
 
 PICK_KEY = PRELUDE + r"""
@@ -400,6 +418,88 @@ for _, name in ipairs(unblocked) do
 end
 if #unblocked > 0 then return unblocked[1] end
 return pool[1]
+"""
+
+WINDOW_SETTLE = PRELUDE + r"""
+-- ARGV: lease_ttl, channel, key ('' = the provider's own), group, then (window, charged, actual, rule) fours.
+-- WindowBook.settle for each: charge what went beyond the estimate; with give_back, give back an over-estimate
+-- (then waiters may have room: dispatch).
+local now = now_ms()
+if layout().win == nil then return 0 end
+local pid = ARGV[3] .. '\n' .. ARGV[4]
+local room = false
+for i = 5, #ARGV, 4 do
+  local b = bucket_read(pid .. '\n' .. ARGV[i], ARGV[i])
+  if b and redis.call('ZSCORE', BASE .. 'wpairs', pid) then
+    local beyond = tonumber(ARGV[i + 2]) - tonumber(ARGV[i + 1])
+    if beyond > 0 then
+      bucket_take(b, beyond, now)
+      bucket_save(b)
+    elseif beyond < 0 and ARGV[i + 3] == 'give_back' then
+      bucket_give(b, -beyond, now)
+      bucket_save(b)
+      room = true
+    end
+  end
+end
+if room then
+  cleanup(now)
+  dispatch(now, tonumber(ARGV[1]), ARGV[2])
+end
+return tostring(next_event(now))
+"""
+
+WINDOW_HIT = PRELUDE + r"""
+-- ARGV: key ('' = the provider's own), group, window, until (ms). A 429 named this window: counted, and
+-- empty until then (WindowBook.hit); the slots' limit is not touched.
+local now = now_ms()
+if layout().win == nil then return 0 end
+redis.call('HINCRBY', BASE .. 'whits', ARGV[1] .. '\n' .. ARGV[2] .. '\n' .. ARGV[3], 1)
+local b = window_of(ARGV[1], ARGV[2], ARGV[3], now)
+if b then
+  bucket_empty_until(b, tonumber(ARGV[4]), now)
+  bucket_save(b)
+end
+return 1
+"""
+
+WINDOW_LEARN = PRELUDE + r"""
+-- ARGV: lease_ttl, channel, key ('' = the provider's own), group, then (window, limit) pairs an answer's
+-- headers announced (WindowBook.learn). A limit in force that changed may make room: dispatch.
+local now = now_ms()
+local win = layout().win
+if win == nil or not win.learn then return tostring(next_event(now)) end
+local known = {}
+for _, name in ipairs(WINDOW_NAMES) do known[name] = true end
+local learned = false
+for i = 5, #ARGV, 2 do
+  local id, limit = ARGV[3] .. '\n' .. ARGV[4] .. '\n' .. ARGV[i], tonumber(ARGV[i + 1])
+  if known[ARGV[i]] and limit >= 1 and tonumber(redis.call('HGET', BASE .. 'wlearn', id) or '') ~= limit then
+    redis.call('HSET', BASE .. 'wlearn', id, ARGV[i + 1])
+    learned = true
+  end
+end
+if learned and window_refresh(ARGV[3], ARGV[4], now) then
+  cleanup(now)
+  dispatch(now, tonumber(ARGV[1]), ARGV[2])
+end
+return tostring(next_event(now))
+"""
+
+WINDOW_CORRECT = PRELUDE + r"""
+-- ARGV: key ('' = the provider's own), group, answered_at (ms), then (window, remaining) pairs: what an answer
+-- said was left; the room believed is never more than that, less what was sent since (WindowBook.correct).
+local now = now_ms()
+if layout().win == nil then return 0 end
+local since = tonumber(ARGV[3])
+for i = 4, #ARGV, 2 do
+  local b = window_of(ARGV[1], ARGV[2], ARGV[i], now)
+  if b then
+    bucket_correct(b, tonumber(ARGV[i + 1]) - bucket_taken_since(b, since), now)
+    bucket_save(b)
+  end
+end
+return 1
 """
 
 USAGE_ADD = r"""

@@ -4,9 +4,11 @@ rules written again in Lua; one text, prefixed to each script, so the scripts sh
 each function.
 """
 
+from .lua_windows import WINDOWS
+
 __all__ = ["PRELUDE"]
 
-PRELUDE = r"""
+_HEAD = r"""
 local BASE = string.sub(KEYS[1], 1, #KEYS[1] - 3)
 local MAX_LIMIT = 100000
 
@@ -39,6 +41,8 @@ local function layout()
   if layout_cache == nil then
     local raw = redis.call('HGET', KEYS[1], 'layout')
     layout_cache = (raw and raw ~= '') and cjson.decode(raw) or {keys = {}, models = {}}
+    local windows = redis.call('HGET', KEYS[1], 'windows')
+    if windows and windows ~= '' then layout_cache.win = cjson.decode(windows) end
     local pool, models = {}, {}
     for _, key in ipairs(layout_cache.keys) do
       if key.a == 1 then table.insert(pool, key.n) end
@@ -47,7 +51,9 @@ local function layout()
     layout_cache.pool = pool
     layout_cache.capped = models
     -- with a pool, a WebSocket's waiters are pinned to their socket's key: every waiter then has a class
-    layout_cache.classed = #layout_cache.models > 0 or layout_cache.share ~= nil or #pool > 0
+    -- with windows, a waiter's model group is part of its class
+    layout_cache.classed = #layout_cache.models > 0 or layout_cache.share ~= nil or #pool > 0 or
+      layout_cache.win ~= nil
   end
   return layout_cache
 end
@@ -81,6 +87,9 @@ local function recover(now)
   for _, lid in ipairs(all_levels()) do recover_hash(level_hash(lid), now) end
 end
 
+-- A lease's windows are no longer reserved when it ends (lua_windows).
+local window_ended
+
 -- A lease leaves every level it holds a slot at (a no-op for one already gone); 1 if it was held.
 local function drop_lease(id)
   local removed = redis.call('ZREM', KEYS[2], id)
@@ -89,6 +98,7 @@ local function drop_lease(id)
     local held = cjson.decode(raw)
     for _, lid in ipairs(held.l) do redis.call('ZREM', level_hash(lid) .. ':leases', id) end
     if redis.call('HINCRBY', BASE .. 'wsheld', held.w, -1) <= 0 then redis.call('HDEL', BASE .. 'wsheld', held.w) end
+    if held.wc and held.wg then window_ended(held.k or '', held.wg, held.wc) end
     redis.call('HDEL', BASE .. 'lmap', id)
   end
   return removed
@@ -207,17 +217,25 @@ local function share_cap()
   return math.max(1, math.ceil(share * capacity - 1e-9))
 end
 
-local function waiter_class(pattern, workspace, pinned)
+-- A waiter's class; ``group`` is its model group when it has a window cost (nil: none).
+local function waiter_class(pattern, workspace, pinned, group)
   if not layout().classed then return nil end
-  return pattern .. '\n' .. (layout().share ~= nil and workspace or '') .. '\n' .. (pinned or '')
+  return pattern .. '\n' .. (layout().share ~= nil and workspace or '') .. '\n' .. (pinned or '') .. '\n' ..
+    (layout().win ~= nil and group or '')
 end
 
--- A class name's parts: model cap pattern, workspace ('' unless shares apply), pinned key ('' = any).
+-- A class name's parts: model cap pattern, workspace ('' unless shares apply), pinned key ('' = any), model
+-- group ('' = no window cost).
 local function class_parts(class)
-  local first = string.find(class, '\n', 1, true)
-  local second = string.find(class, '\n', first + 1, true)
-  if second == nil then return string.sub(class, 1, first - 1), string.sub(class, first + 1), '' end
-  return string.sub(class, 1, first - 1), string.sub(class, first + 1, second - 1), string.sub(class, second + 1)
+  local parts, start = {}, 1
+  while #parts < 3 do
+    local cut = string.find(class, '\n', start, true)
+    if cut == nil then break end
+    table.insert(parts, string.sub(class, start, cut - 1))
+    start = cut + 1
+  end
+  table.insert(parts, string.sub(class, start))
+  return parts[1] or '', parts[2] or '', parts[3] or '', parts[4] or ''
 end
 
 local function in_pool(name)
@@ -227,6 +245,9 @@ local function in_pool(name)
   return false
 end
 
+"""
+
+_TAIL = r"""
 -- Take the queue entry ``member`` out and return its waiter's id and info (nil info: an orphan entry).
 local function take_entry(member, class)
   redis.call('ZREM', KEYS[4], member)
@@ -245,9 +266,27 @@ local function take_entry(member, class)
   return id, info
 end
 
+-- The windows a class head needs: nil when they have room (or it needs none), with the key they have it on;
+-- else held (the head's windows are noted and the wake-up set).
+local function head_windows(member, pinned, group, now)
+  if group == '' or layout().win == nil then return true, nil end
+  local id = member_id(member)
+  local raw = redis.call('HGET', KEYS[5], id)
+  local info = raw and cjson.decode(raw)
+  if not info or info.m ~= member or not info.wc then return true, nil end
+  local key, wait = window_fit(pinned, info.k or '', group, cjson.decode(info.wc), now)
+  if wait > 0 then
+    window_hold(id, info, pinned, group, wait, now)
+    return false, nil
+  end
+  return true, key
+end
+
 -- The next waiter to grant: the queue's head, or with classes the first class head whose model cap has
--- room, passing over a workspace at its share while another can go. Returns id, info, found.
+-- room (and whose windows have room for its cost), passing over a workspace at its share while another can go.
+-- Returns id, info, found, and the key its windows have room on (nil: any the grant chooses).
 local function next_waiter(now)
+  window_wake = nil
   if not layout().classed then
     local head = redis.call('ZRANGE', KEYS[4], 0, 0)
     if #head == 0 then return nil, nil, false end
@@ -267,24 +306,25 @@ local function next_waiter(now)
   local cap = share_cap()
   local over_share = nil
   for _, head in ipairs(heads) do
-    local pattern, workspace, pinned = class_parts(head[2])
-    local room = true
+    local pattern, workspace, pinned, group = class_parts(head[2])
+    local room, key = true, nil
     if pattern ~= '' and layout().capped[pattern] then room = level_room('m:' .. pattern, now) end
     if room and pinned ~= '' then room = in_pool(pinned) and level_room('k:' .. pinned, now) end
+    if room then room, key = head_windows(head[1], pinned, group, now) end
     if room then
       local held = 0
       if cap ~= nil then held = tonumber(redis.call('HGET', BASE .. 'wsheld', workspace) or '0') end
       if cap ~= nil and held >= cap then
-        if over_share == nil then over_share = head end
+        if over_share == nil then over_share = {head[1], head[2], key} end
       else
         local id, info = take_entry(head[1], head[2])
-        return id, info, true
+        return id, info, true, key
       end
     end
   end
   if over_share ~= nil then
     local id, info = take_entry(over_share[1], over_share[2])
-    return id, info, true
+    return id, info, true, over_share[3]
   end
   return nil, nil, false
 end
@@ -311,20 +351,38 @@ local function grant(id, info, key, now, lease_ttl, channel)
   if key ~= '' then table.insert(levels, 'k:' .. key) end
   if info.pt and info.pt ~= '' and layout().capped[info.pt] then table.insert(levels, 'm:' .. info.pt) end
   count_against_budget(key ~= '' and level_hash('k:' .. key) or KEYS[1], now)
+  -- with windows, its cost is taken at once with the slots (the grant says so: ' w')
+  local took = layout().win ~= nil and info.wc ~= nil and info.wg ~= nil
+  if took then window_take(key, info.wg, cjson.decode(info.wc), now) end
   redis.call('ZADD', KEYS[2], now + lease_ttl, id)
   for _, lid in ipairs(levels) do redis.call('ZADD', level_hash(lid) .. ':leases', now + lease_ttl, id) end
   local granted = redis.call('HINCRBY', KEYS[1], 'granted', 1)
   -- who holds it (for the status listing): workspace, levels, conversation, model, key, star, transport, since,
   -- and the grant's number (grants in one millisecond listed in the order they were made, as in memory)
   redis.call('HSET', BASE .. 'lmap', id, cjson.encode({w = info.w, l = levels, c = info.c, md = info.md, k = key,
-    s = string.sub(info.m, 1, 1) == '0', tr = info.tr, t = now, g = granted}))
+    s = string.sub(info.m, 1, 1) == '0', tr = info.tr, t = now, g = granted, wc = took and info.wc or nil,
+    wg = took and info.wg or nil}))
   redis.call('HINCRBY', BASE .. 'wsheld', info.w, 1)
-  redis.call('HSET', KEYS[7], id, id .. ' ' .. now .. ' ' .. key)
-  if id ~= answering then redis.call('PUBLISH', channel .. info.r, id .. ' ' .. id .. ' ' .. now .. ' ' .. key) end
+  local grant_text = id .. ' ' .. now .. ' ' .. key .. (took and ' w' or '')
+  redis.call('HSET', KEYS[7], id, grant_text)
+  if id ~= answering then redis.call('PUBLISH', channel .. info.r, id .. ' ' .. grant_text) end
 end
 
 -- Grant waiters while every level they need has room; each grant becomes a lease and a message to its replica.
+local dispatch_grants
+
 local function dispatch(now, lease_ttl, channel)
+  window_wake = nil
+  local count = dispatch_grants(now, lease_ttl, channel)
+  if window_wake ~= nil then
+    redis.call('HSET', KEYS[1], 'window_wake', f17(math.ceil(window_wake)))
+  elseif layout().win ~= nil then
+    redis.call('HDEL', KEYS[1], 'window_wake')
+  end
+  return count
+end
+
+dispatch_grants = function(now, lease_ttl, channel)
   if not configured() or num('settle_until', 0) > now then return 0 end
   if blocked_until(KEYS[1], now) > 0 then return 0 end
   local limit = limit_of()
@@ -337,11 +395,13 @@ local function dispatch(now, lease_ttl, channel)
       if ok then table.insert(candidates, {name, free}) end
     end
     if #pool > 0 and #candidates == 0 then break end
-    local id, info, found = next_waiter(now)
+    local id, info, found, fitted = next_waiter(now)
     if not found then break end
     if info then
       local key = ''
-      if #pool > 0 then
+      if fitted ~= nil then
+        key = fitted
+      elseif #pool > 0 then
         if info.kp and info.kp ~= '' then key = info.kp else key = choose_key(candidates, info.k) end
       end
       grant(id, info, key, now, lease_ttl, channel)
@@ -360,6 +420,7 @@ local function next_event(now)
   consider(num('paused_until', 0))
   consider(num('held_until', 0))
   consider(num('settle_until', 0))
+  if layout().win ~= nil then consider(num('window_wake', 0)) end
   for _, lid in ipairs(all_levels()) do
     consider(hnum(level_hash(lid), 'paused_until', 0))
     consider(hnum(level_hash(lid), 'held_until', 0))
@@ -390,3 +451,5 @@ local function hash_of(lid)
   return level_hash(lid)
 end
 """
+
+PRELUDE = _HEAD + WINDOWS + _TAIL

@@ -26,7 +26,7 @@ _TRANSPORTS = {"ws": "websocket"}
 
 def status_from(provider: str, result: list[Any], settings: LimiterSettings, reclaims: int) -> ProviderStatus:
     """A provider's STATS answer as its status."""
-    raw, leases, cooling, queued, now_ms, infos, levels, pause_end, held = result
+    raw, leases, cooling, queued, now_ms, infos, levels, pause_end, held, window_rows = result
     cfg = _pairs(raw)
     now = int(text(now_ms))
     paused_until = int(text(pause_end))
@@ -44,8 +44,10 @@ def status_from(provider: str, result: list[Any], settings: LimiterSettings, rec
     for fields, _ in by_level.values():
         for name in ("backoffs", "auto_reductions"):
             counters[name] += int(fields.get(name, "0") or 0)
+    windows = _windows(window_rows) if settings.windows is not None else None
     keys = tuple(_key_status(key.name, key.name in {k.name for k in settings.pool()},
-                             *by_level.get(f"k:{key.name}", ({}, 0)), now, settings.budgets)
+                             *by_level.get(f"k:{key.name}", ({}, 0)), now, settings.budgets,
+                             None if windows is None else windows.get(key.name, ()))
                  for key in settings.keys)
     models = []
     for cap in settings.models:
@@ -70,19 +72,22 @@ def status_from(provider: str, result: list[Any], settings: LimiterSettings, rec
         models=tuple(models),
         budget=_budget_status(cfg, now) if settings.budgets and not settings.pool() else None,
         holders=tuple(_holder(_json(item), now) for item in held),
+        windows=windows.get("", ()) if windows is not None and not settings.pool() else None,
     )
 
 
 def unread_status(provider: str, settings: LimiterSettings, local_in_flight: int) -> ProviderStatus:
     """Before Redis answered (or while it does not): the settings, and this replica's own slots."""
+    windows = None if settings.windows is None else ()
     keys = tuple(_key_status(key.name, key.available, {"limit": limit_arg(key.limit),
                                                        "configured_limit": limit_arg(key.limit)},
-                             0, 0, settings.budgets) for key in settings.keys)
+                             0, 0, settings.budgets, windows) for key in settings.keys)
     models = tuple(ModelStatus(cap.pattern, cap.limit, cap.limit, 0) for cap in settings.models)
     return ProviderStatus(provider=provider, limit=settings.limit, configured_limit=settings.limit,
                           in_flight=local_in_flight, queued=0, paused=False,
                           paused_until=None, cooldown_ms=int(settings.release_cooldown * 1000),
-                          auto_reduced=False, auto_reduced_from=None, notice=None, keys=keys, models=models)
+                          auto_reduced=False, auto_reduced_from=None, notice=None, keys=keys, models=models,
+                          windows=windows if not settings.pool() else None)
 
 
 def _pairs(raw: list[Any]) -> dict[str, str]:
@@ -106,8 +111,21 @@ def _budget_status(fields: dict[str, str], now: int) -> dict[str, int | None]:
     return budget.to_dict(None if held is None else held / 1000)
 
 
+def _windows(raw: Any) -> dict[str, tuple[dict[str, Any], ...]]:
+    """The window rows of STATS by key ('' for the provider's own), as ``WindowBook.status`` gives them."""
+    decoded = json.loads(text(raw) or "[]")
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for row in decoded if isinstance(decoded, list) else ():
+        by_key.setdefault(row["k"], []).append({
+            "group": row["g"], "window": row["w"], "limit": row.get("limit"), "source": row.get("source"),
+            "available": int(row["available"]), "reserved": int(row["reserved"]), "held": int(row["held"]),
+            "held_total": int(row["held_total"]), "hits": int(row["hits"]), "ratio": None,
+            "estimate_error_p50": None, "estimate_error_p90": None})
+    return {key: tuple(rows) for key, rows in by_key.items()}
+
+
 def _key_status(name: str, available: bool, fields: dict[str, str], count: int, now: int,
-                budgets: bool) -> KeyStatus:
+                budgets: bool, windows: tuple[dict[str, Any], ...] | None = None) -> KeyStatus:
     auto_from = fields.get("auto_reduced_from")
     return KeyStatus(
         name=name,
@@ -119,6 +137,7 @@ def _key_status(name: str, available: bool, fields: dict[str, str], count: int, 
         auto_reduced_from=int(auto_from) if auto_from is not None else None,
         notice=fields.get("notice"),
         budget=_budget_status(fields, now) if budgets else None,
+        windows=windows,
     )
 
 

@@ -1,0 +1,242 @@
+"""The relay's part in a provider's token windows: what a request is estimated to cost before it is sent,
+what each answer's headers say of the windows, a 429 that names a window, and the reconciliation from the
+usage the answer reported.
+
+One ``Windowing`` per provider that holds windows (``windows:`` written in its config), on ``ProxyState``; a
+provider without windows has none, and its requests do no window work at all.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..backends import Backend
+from ..config.windows import DIALECT_WINDOWS
+from ..limiter import SlotLease, policy
+from ..limiter.window import OTHER_GROUP
+from ..providers.budgets import header_count
+from ..providers.estimate import Estimate, Estimator, actual_for
+from ..providers.model_name import request_model
+from ..providers.tokens import TokenCounts, UsageReader
+from ..providers.window_signals import (
+    HEADER_NAMES,
+    REMAINING_HEADERS,
+    Dialect,
+    most_remaining,
+    window_hit,
+    window_limits,
+    window_remaining,
+)
+
+__all__ = ["SETTLE_RULES", "EndedResponses", "Windowing", "parsed_request"]
+
+SETTLE_RULES: dict[str, dict[str, str]] = {
+    "anthropic": {"input_tokens_per_minute": "give_back", "output_tokens_per_minute": "give_back"},
+    "openai": {"tokens_per_minute": "charge_beyond"},
+}
+"""How each provider reconciles its windows with an answer's usage (``window.SETTLE_RULES``); a window not
+named here (requests) keeps what it was charged."""
+
+_KEPT = 1024
+"""(key, group) pairs remembered at most (groups come from the models clients name)."""
+_REPORT_AGAIN = 30.0
+"""Unchanged limits are reported again after this long (the limiter may have forgotten an idle group's)."""
+
+
+class Windowing:
+    """One provider's windows as the relay sees them; the estimator outlives config reloads."""
+
+    __slots__ = ("announced", "applies", "dialect", "estimator", "header_names", "headroom", "keys", "learn",
+                 "limit_headers", "patterns", "provider", "remaining_headers", "rules")
+
+    def __init__(self, provider: str, dialect: Dialect, *, patterns: tuple[str, ...], keys: tuple[str, ...],
+                 learn: bool, headroom: float, estimator: Estimator | None = None) -> None:
+        self.provider = provider
+        self.dialect: Dialect = dialect
+        self.patterns = patterns
+        self.keys = keys
+        """The pool's keys: before admission the key is not known, so a request is estimated for every
+        window any of them holds for its group."""
+        self.learn = learn
+        self.headroom = headroom
+        self.estimator = estimator or Estimator()
+        self.rules = SETTLE_RULES[dialect]
+        self.header_names = HEADER_NAMES[dialect]
+        self.remaining_headers = REMAINING_HEADERS[dialect]
+        self.limit_headers = self.header_names[::3]
+        """Each window's ``-limit`` header (the first of its three)."""
+        self.announced: dict[tuple[str | None, str], tuple[tuple[str | None, ...], float]] = {}
+        """The limit headers last announced for each (key, group), and when they were reported: an answer
+        repeating them soon after reports nothing."""
+        self.applies: dict[tuple[str | None, str], tuple[str, ...]] = {}
+        """The windows in force for each (key, group) (None: any key of the pool), as last asked; forgotten
+        when an answer announces new limits (a config reload builds a new ``Windowing``)."""
+
+    def group(self, model: str | None) -> str:
+        """The model group: the ``models`` pattern the model matches, else the model name (none: other)."""
+        if model is None:
+            return OTHER_GROUP
+        pattern = policy.model_pattern(model, self.patterns) if self.patterns else None
+        return pattern if pattern is not None else model
+
+    def estimate(self, backend: Backend, group: str, body: bytes, request: Mapping[str, Any], *,
+                 key: str | None = None, continuation: tuple[int, int] | None = None
+                 ) -> tuple[Estimate, dict[str, float] | None]:
+        """What the request will cost each window that applies to it (``key``: the one it is pinned to), and
+        the cost to take (None: no window is known yet). Before any limit is known (all are learned from
+        headers), it is estimated for the provider's own windows, so that its answer teaches the ratio, and
+        charged to none: a window learned from its answer was not taken from, so it gives nothing back."""
+        windows = self.applies.get((key, group))
+        if windows is None:
+            windows = self._applying(backend, key, group)
+        estimate = self.estimator.estimate(dialect=self.dialect, key=key, group=group, body=body, request=request,
+                                           windows=windows or DIALECT_WINDOWS[self.dialect],
+                                           continuation=continuation, now=time.time())
+        return estimate, estimate.cost if windows else None
+
+    def _applying(self, backend: Backend, key: str | None, group: str) -> tuple[str, ...]:
+        provider = self.provider
+        if key is not None or not self.keys:
+            names = set(backend.window_limits(provider, key, group))
+        else:
+            names = set()
+            for name in self.keys:
+                names.update(backend.window_limits(provider, name, group))
+        if len(self.applies) >= _KEPT:
+            self.applies.clear()
+        windows = self.applies[(key, group)] = tuple(sorted(names))
+        return windows
+
+    def answered(self, backend: Backend, key: str | None, group: str, headers: Mapping[str, str],
+                 sent_at: float) -> None:
+        """An answer's headers (any status): the limits it announces (with ``learn``), and the room left,
+        which only ever lowers the room believed (Anthropic's rounding to the thousand allowed for)."""
+        picked = {}
+        for name in self.header_names:  # the answer's headers are case-insensitive: no need to fold them all
+            value = headers.get(name)
+            if value is not None:
+                picked[name] = value
+        if not picked:
+            return
+        provider, dialect = self.provider, self.dialect
+        if self.learn:
+            raw = tuple(picked.get(name) for name in self.limit_headers)
+            now = time.time()
+            last = self.announced.get((key, group))
+            if last is None or last[0] != raw or now - last[1] > _REPORT_AGAIN:
+                limits = window_limits(dialect, picked)
+                if len(self.announced) >= _KEPT:
+                    self.announced.clear()
+                self.announced[(key, group)] = (raw, now)
+                self.applies.clear()
+                if limits:
+                    backend.report_window_limits(provider, key, group, limits)
+        room = {}
+        for window, name in self.remaining_headers:
+            left = header_count(picked.get(name))
+            if left is not None:
+                room[window] = most_remaining(dialect, window, left)
+        if room:
+            backend.report_window_remaining(provider, key, group, room, sent_at)
+
+    def hit(self, backend: Backend, key: str | None, group: str, status: int, headers: Mapping[str, str],
+            body: bytes | str | None, wait: float | None) -> str | None:
+        """The window a 429 names, emptied until the stated wait (else its reset) and the group's ratio
+        raised; None when it names no window (the usual backoff rules apply)."""
+        window = window_hit(self.dialect, status, headers, body)
+        if window is None:
+            return None
+        now = time.time()
+        if wait is not None:
+            until = now + wait
+        else:
+            reset = window_remaining(self.dialect, headers, now).get(window, (0.0, None))[1]
+            until = reset if reset is not None else now
+        backend.report_window_hit(self.provider, key, group, window, until)
+        self.estimator.raise_ratio(key, group)
+        return window
+
+    def beyond(self, backend: Backend, lease: SlotLease, window: str) -> bool:
+        """Whether the lease's cost exceeds ``window``'s whole capacity: a 429 from it can never be cured
+        by waiting."""
+        cost, group = lease.cost, lease.group
+        if cost is None or group is None:
+            return False
+        limit = backend.window_limits(self.provider, lease.key, group).get(window)
+        return limit is not None and cost.get(window, 0.0) > limit * (1.0 - self.headroom)
+
+    def settle(self, backend: Backend, lease: SlotLease, group: str, estimate: Estimate,
+               counts: TokenCounts | None) -> None:
+        """The answer ended: the estimator learns from its usage and the windows are reconciled; an answer
+        without usage keeps its estimate."""
+        if counts is None:
+            return
+        dialect = self.dialect
+        inputs, cached, written, output = (counts.input_tokens, counts.cached_input_tokens,
+                                           counts.cache_write_tokens, counts.output_tokens)
+        self.estimator.learn(key=lease.key, group=group, estimate=estimate, input_tokens=inputs,
+                             cached_read=cached, output_tokens=output, now=time.time(), cache_write=written)
+        cost = lease.cost
+        if cost is None:
+            return
+        rules = self.rules
+        actual = {window: actual_for(dialect, window, inputs, cached, written, output)
+                  for window in rules if window in cost}
+        if actual:
+            backend.settle_windows(self.provider, lease, actual, rules)
+
+    def status(self, row: dict[str, Any]) -> None:
+        """Fill a status window row's ratio and estimate errors."""
+        row.update(self.estimator.status(None, row["group"], row["window"]))
+
+
+def parsed_request(path: str, body: bytes) -> tuple[str | None, dict[str, Any]]:
+    """The model a request names and its parsed body (one parse; {} when it is not a JSON object): the
+    path's model (Gemini-style), else the body's top-level ``model``, or a WebSocket frame's ``response``'s."""
+    try:
+        data = json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        data = None
+    request: dict[str, Any] = data if isinstance(data, dict) else {}
+    in_path = request_model(path, b"") if "models/" in path else None
+    if in_path is not None:
+        return in_path, request
+    model = request.get("model")
+    if not (isinstance(model, str) and model):
+        nested = request.get("response")
+        model = nested.get("model") if isinstance(nested, dict) else None
+    return (model if isinstance(model, str) and model else None), request
+
+
+_RESPONSE_ID = re.compile(rb'"response"\s*:\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')
+_RESPONSES_KEPT = 64
+
+
+class EndedResponses:
+    """A socket's recent responses: the input and output tokens each reported, by its id, for a frame that
+    continues one (``previous_response_id``): OpenAI charges the whole conversation again."""
+
+    __slots__ = ("_ended",)
+
+    def __init__(self) -> None:
+        self._ended: dict[str, tuple[int, int]] = {}
+
+    def remember(self, data: bytes, usage: UsageReader) -> None:
+        found = _RESPONSE_ID.search(data, 0, 1024)
+        counts = usage.counts()
+        if found is None or counts is None:
+            return
+        ended = self._ended
+        ended[found.group(1).decode()] = (counts.input_tokens, counts.output_tokens)
+        if len(ended) > _RESPONSES_KEPT:
+            del ended[next(iter(ended))]
+
+    def continued(self, request: Mapping[str, Any]) -> tuple[int, int] | None:
+        nested = request.get("response")
+        previous = request.get("previous_response_id") or (
+            nested.get("previous_response_id") if isinstance(nested, dict) else None)
+        return self._ended.get(previous) if isinstance(previous, str) else None

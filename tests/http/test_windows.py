@@ -1,0 +1,212 @@
+"""Token windows held in the request path, end to end: a real proxy in front of the fake provider enforcing
+the same per-minute windows (SPEC part four, "Token windows")."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
+from ..conftest import Proxy, Upstream
+
+ITPM = 30_000
+TEXT = "x" * 2_000
+"""500 input tokens as the fake counts them (a quarter of the text's bytes)."""
+EACH = 500
+HEADROOM = 0.02
+"""The proxy sends a request the instant its bucket holds the cost, and the fake charges it when it arrives:
+a first request that took longer to arrive (a new connection) than a later one leaves the fake a few tokens
+short of the proxy's view, as a provider's clock may. A little headroom absorbs that skew."""
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend_yaml(request: pytest.FixtureRequest) -> Iterator[str]:
+    if request.param == "memory":
+        yield ""
+        return
+    require_redis()
+    prefix = f"slotproxy-test-{os.urandom(5).hex()}"
+    yield f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: {prefix}, lease_ttl: 2s}}\n"
+    delete_prefix(REDIS_URL, prefix)
+
+
+def anthropic_yaml(upstream: Upstream, windows: str, backend: str = "", **settings: Any) -> str:
+    extra = "".join(f"    {name}: {value}\n" for name, value in settings.items())
+    return (f"state: {{path: null}}\n{backend}providers:\n  anthropic:\n    upstream: {upstream.url}\n"
+            f"    auth: x-api-key\n    limit: 100\n    windows: {windows}\n{extra}")
+
+
+def messages(text: str = TEXT, model: str = "claude-m", **fields: Any) -> dict[str, Any]:
+    return {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": text}], **fields}
+
+
+async def post(client: aiohttp.ClientSession, proxy: Proxy, body: dict[str, Any],
+               path: str = "/anthropic/v1/messages", **headers: str) -> tuple[int, Any]:
+    async with client.post(proxy.url + path, json=body, headers=headers) as resp:
+        return resp.status, await resp.json()
+
+
+async def fleet(client: aiohttp.ClientSession, proxy: Proxy, count: int, body: dict[str, Any],
+                path: str = "/anthropic/v1/messages") -> list[int]:
+    answers = await asyncio.gather(*(post(client, proxy, body, path) for _ in range(count)))
+    return [status for status, _ in answers]
+
+
+def window_row(proxy: Proxy, window: str, provider: str = "anthropic", group: str = "claude-m") -> dict[str, Any]:
+    rows = [row for row in proxy.status(provider)["windows"] if row["group"] == group and row["window"] == window]
+    assert len(rows) == 1, proxy.status(provider).get("windows")
+    return rows[0]
+
+
+def upstream_429s(upstream: Upstream) -> int:
+    return int(upstream.fake.stats()["rate_limited"])
+
+
+async def test_a_fleet_is_held_by_its_input_window_and_never_refused(start_upstream, start_proxy, client,
+                                                                    backend_yaml) -> None:
+    up = await start_upstream(itpm=ITPM, chunks=1, delay_ms=5)
+    proxy = await start_proxy(anthropic_yaml(up, f"{{input_tokens_per_minute: {ITPM}, headroom: {HEADROOM}}}",
+                                             backend_yaml, retry_on_429=0))
+    count = ITPM // EACH + 1  # more than the window holds: the last ones wait for its refill (~2 s)
+    started = time.monotonic()
+    statuses = await fleet(client, proxy, count, messages())
+    assert statuses == [200] * count
+    assert upstream_429s(up) == 0
+    assert time.monotonic() - started > 0.5, "the last requests waited for the window's refill"
+    await proxy.state.backend.refresh()  # Redis: status reads the fleet's snapshot
+    row = window_row(proxy, "input_tokens_per_minute")
+    assert (row["limit"], row["source"], row["hits"]) == (ITPM, "both", 0), "config, and the fake's headers"
+    assert row["held_total"] >= 1 and row["reserved"] == 0
+    assert row["ratio"] is not None and row["ratio"] < 0.3, "the ratio is learned from the answers"
+    assert -0.3 < row["estimate_error_p50"] <= 0.05, "the prior leans high, then the estimates are exact"
+
+
+async def test_windows_learned_from_the_headers_hold_every_request_after_the_first(start_upstream, start_proxy,
+                                                                                client) -> None:
+    up = await start_upstream(itpm=ITPM, chunks=1, delay_ms=5)
+    proxy = await start_proxy(anthropic_yaml(up, f"{{headroom: {HEADROOM}}}", retry_on_429=0))
+    assert (await post(client, proxy, messages()))[0] == 200
+    assert window_row(proxy, "input_tokens_per_minute")["source"] == "headers"
+    # That first request was sent before any window was known, so it was charged to none: let the fake's
+    # bucket refill it (500 tokens at 500 a second) rather than count on the headers' rounding to the thousand.
+    await asyncio.sleep(1.1)
+    count = ITPM // EACH + 2
+    assert await fleet(client, proxy, count, messages()) == [200] * count
+    assert upstream_429s(up) == 0
+    row = window_row(proxy, "input_tokens_per_minute")
+    assert (row["limit"], row["source"], row["hits"]) == (ITPM, "headers", 0)
+
+
+def fake_usage(input_tokens: int) -> dict[str, str]:
+    return {"x-fake-usage": json.dumps({"input": input_tokens})}
+
+
+async def drain(client: aiohttp.ClientSession, upstream: Upstream, input_tokens: int) -> None:
+    """Another client of the same key spends the fake's input window behind the proxy's back."""
+    async with client.post(f"{upstream.url}/v1/messages", json=messages("hi"),
+                           headers=fake_usage(input_tokens)) as resp:
+        assert resp.status == 200
+
+
+async def test_a_window_429_empties_the_window_without_a_backoff(start_upstream, start_proxy, client) -> None:
+    up = await start_upstream(itpm=60_000, chunks=1, delay_ms=1)
+    windows = "{input_tokens_per_minute: 1000000, learn: false}"
+    proxy = await start_proxy(anthropic_yaml(up, windows, retry_on_429=0))
+    await drain(client, up, 59_000)
+    status, body = await post(client, proxy, messages("hi"), **fake_usage(1_500))
+    assert status == 429 and "60,000 input tokens per minute" in body["error"]["message"]
+    assert upstream_429s(up) == 1
+    document = proxy.status("anthropic")
+    row = window_row(proxy, "input_tokens_per_minute")
+    assert (row["hits"], row["available"]) == (1, 0), "counted, and emptied until the stated wait"
+    assert (document["limit"], document["auto_reduced"], document["notice"], document["paused"]) == \
+        (100, False, None, False), "the slots were not the problem"
+    assert document["relayed_429"] == 1
+    assert proxy.state.backend.backoffs.relayed_total("anthropic") == 1
+    assert proxy.state.windowing("anthropic").estimator.status(None, "claude-m")["ratio"] > 0.3, "raised"
+
+
+async def test_a_window_429_is_retried_once_the_window_has_room(start_upstream, start_proxy, client) -> None:
+    up = await start_upstream(itpm=60_000, chunks=1, delay_ms=1)
+    windows = "{input_tokens_per_minute: 1000000, learn: false}"
+    proxy = await start_proxy(anthropic_yaml(up, windows, retry_on_429=2))
+    await drain(client, up, 59_000)
+    started = time.monotonic()
+    status, _ = await post(client, proxy, messages("hi"), **fake_usage(1_500))
+    assert status == 200
+    assert time.monotonic() - started >= 0.4, "held until the wait the 429 stated (~0.5 s)"
+    assert upstream_429s(up) == 1, "retried once, when the window had room"
+    assert window_row(proxy, "input_tokens_per_minute")["hits"] == 1
+    assert proxy.status("anthropic")["auto_reduced"] is False
+
+
+async def test_a_request_larger_than_its_window_is_sent_once_and_its_429_relayed(start_upstream, start_proxy,
+                                                                                 client) -> None:
+    up = await start_upstream(itpm=3_000, chunks=1, delay_ms=1)
+    proxy = await start_proxy(anthropic_yaml(up, "{input_tokens_per_minute: 3000}", retry_on_429=3))
+    status, body = await post(client, proxy, messages("y" * 16_000))  # 4000 tokens: never fits in 3000
+    assert status == 429 and "3,000 input tokens per minute" in body["error"]["message"]
+    stats = up.fake.stats()
+    assert (stats["requests"], stats["rate_limited"]) == (1, 1), "relayed at once: no retry can fit it"
+    assert window_row(proxy, "input_tokens_per_minute")["hits"] == 1
+
+
+def cached(turn: int) -> dict[str, Any]:
+    system = [{"type": "text", "text": "s" * 16_000, "cache_control": {"type": "ephemeral"}}]
+    return messages(f"question {turn}", system=system)
+
+
+async def test_prompt_cache_reads_are_not_held_by_the_input_window(start_upstream, start_proxy, client) -> None:
+    """Each request's prompt is 4000 tokens, 3990 of them read from the cache the first one wrote: twelve of
+    them fit a 12000 input window at once; the whole prompts would need a minute and more of refill."""
+    up = await start_upstream(itpm=12_000, chunks=1, delay_ms=1)
+    proxy = await start_proxy(anthropic_yaml(up, "{input_tokens_per_minute: 12000}", retry_on_429=0))
+    assert (await post(client, proxy, cached(0)))[0] == 200
+    started = time.monotonic()
+    answers = await asyncio.gather(*(post(client, proxy, cached(turn)) for turn in range(1, 13)))
+    assert [status for status, _ in answers] == [200] * 12
+    assert all(answer["usage"]["cache_read_input_tokens"] == 4_000 for _, answer in answers)
+    assert time.monotonic() - started < 5
+    assert upstream_429s(up) == 0
+
+
+async def test_the_sdks_work_through_windows(start_upstream, start_proxy) -> None:
+    up = await start_upstream(itpm=100_000, otpm=20_000, tpm=100_000, rpm=1_000, chunks=2, delay_ms=1)
+    proxy = await start_proxy(
+        f"state: {{path: null}}\nproviders:\n"
+        f"  anthropic:\n    upstream: {up.url}\n    auth: x-api-key\n    windows: {{}}\n"
+        f"  openai:\n    upstream: {up.url}/v1\n    windows: {{tokens_per_minute: 100000}}\n")
+    async with anthropic.AsyncAnthropic(base_url=f"{proxy.url}/anthropic", api_key="k", max_retries=0) as claude:
+        for _ in range(2):
+            message = await claude.messages.create(**messages("hello"))
+            assert message.usage.input_tokens > 0
+        async with claude.messages.stream(**messages("hello")) as stream:
+            final = await stream.get_final_message()
+        assert final.usage.output_tokens > 0
+    async with openai.AsyncOpenAI(base_url=f"{proxy.url}/openai", api_key="k", max_retries=0) as gpt:
+        completion = await gpt.chat.completions.create(
+            model="gpt-m", messages=[{"role": "user", "content": "hello"}], max_tokens=32)
+        assert completion.usage is not None and completion.usage.total_tokens > 0
+        chunks = [chunk async for chunk in await gpt.chat.completions.create(
+            model="gpt-m", messages=[{"role": "user", "content": "hello"}], stream=True,
+            stream_options={"include_usage": True})]
+        assert chunks[-1].usage is not None
+        response = await gpt.responses.create(model="gpt-m", input="hello", max_output_tokens=64)
+        assert response.usage is not None
+    assert upstream_429s(up) == 0
+    learned = {row["window"]: row for row in proxy.status("anthropic")["windows"]}
+    assert {name: row["limit"] for name, row in learned.items()} == {
+        "input_tokens_per_minute": 100_000, "output_tokens_per_minute": 20_000, "requests_per_minute": 1_000}
+    assert all(row["reserved"] == 0 and row["source"] == "headers" for row in learned.values())
+    tpm = window_row(proxy, "tokens_per_minute", provider="openai", group="gpt-m")
+    assert (tpm["limit"], tpm["source"], tpm["reserved"]) == (100_000, "both", 0)
+    assert tpm["estimate_error_p50"] is not None, "reconciled from the answers' usage"
