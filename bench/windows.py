@@ -43,7 +43,8 @@ deadline (in-flight turns are then cancelled):
   what the bucket allowed: limit x minutes + its initial capacity (the limit);
 - p50 / p90 turn time: from a turn's first send to its answer's end, retries
   and waits included (turns completed before the deadline);
-- slotproxy's limit at the end, and its window's ``held`` / ``hits`` (status).
+- slotproxy's limit at the end, and its windows' requests held (``held_total``:
+  that waited on one) and ``hits`` (status).
 
 Targets (issue 34): 0 upstream 429s with windows; utilisation >= 0.95 with
 windows; on the cached workload >= 3x the turns a minute of the whole-prompt
@@ -387,13 +388,14 @@ def start_proxy(procs: Processes, name: str, arm: str, workload: Workload, fake_
 
 
 def proxy_end(port: int, workload: Workload) -> tuple[str, int | None, int | None]:
-    """The provider's limit at the end, and its windows' held and hits summed (None without windows)."""
+    """The provider's limit at the end, and its windows' requests held (that waited on one) and hits, summed
+    (None without windows)."""
     status = get_json(f"http://{HOST}:{port}/_slotproxy/status")
     provider = next(p for p in status["providers"] if p["provider"] == workload.provider)
     windows = provider.get("windows") or [w for key in provider.get("keys") or [] for w in key.get("windows") or []]
     if not windows:
         return str(provider["limit"]), None, None
-    return (str(provider["limit"]), sum(int(w.get("held") or 0) for w in windows),
+    return (str(provider["limit"]), sum(int(w.get("held_total") or 0) for w in windows),
             sum(int(w.get("hits") or 0) for w in windows))
 
 
@@ -481,7 +483,7 @@ def serve_whole_prompt(argv: list[str]) -> int:
 
     estimate.Estimator._mirror = lambda self, *args, **kwargs: (0.0, None)  # type: ignore[method-assign]
     estimate.Estimator.actual_for = staticmethod(whole)  # type: ignore[assignment]
-    for loaded in ("proxy.http.relay", "proxy.http.runtime"):  # the modules that may take actual_for by name
+    for loaded in ("proxy.http.windows", "proxy.http.relay", "proxy.http.runtime"):  # the modules that may take actual_for by name
         importlib.import_module(loaded)
     for module in list(sys.modules.values()):
         if getattr(module, "__name__", "").startswith("proxy.") and getattr(module, "actual_for", None) is counted:
@@ -495,7 +497,7 @@ def serve_whole_prompt(argv: list[str]) -> int:
 
 def results_table(results: Sequence[Result]) -> Iterator[str]:
     yield ("| workload | arm | turns/min | upstream 429s | 429s reaching agents (SDK gave up) | utilisation "
-           "| p50 turn s | p90 turn s | final limit | held / hits | errors |")
+           "| p50 turn s | p90 turn s | final limit | requests held / window hits | errors |")
     yield "|---|---|---|---|---|---|---|---|---|---|---|"
     for r in results:
         held = "—" if r.held is None else f"{r.held} / {r.hits}"
