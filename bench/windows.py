@@ -41,8 +41,8 @@ deadline (in-flight turns are then cancelled):
 - utilisation: the tokens the fake's bucket was charged before the deadline
   (counted in the fake's process by a counting bucket, ``--serve-fake``) over
   what the bucket allowed: limit x minutes + its initial capacity (the limit);
-- p50 / p90 turn time: from a turn's first send to its answer's end, retries
-  and waits included (turns completed before the deadline);
+- p50 / p90 / mean turn time: from a turn's first send to its answer's end,
+  retries and waits included (turns completed before the deadline);
 - slotproxy's limit at the end, and its windows' requests held (``held_total``:
   that waited on one) and ``hits`` (status).
 
@@ -64,6 +64,7 @@ import importlib
 import random
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -497,13 +498,13 @@ def serve_whole_prompt(argv: list[str]) -> int:
 
 def results_table(results: Sequence[Result]) -> Iterator[str]:
     yield ("| workload | arm | turns/min | upstream 429s | 429s reaching agents (SDK gave up) | utilisation "
-           "| p50 turn s | p90 turn s | final limit | requests held / window hits | errors |")
-    yield "|---|---|---|---|---|---|---|---|---|---|---|"
+           "| p50 turn s | p90 turn s | mean turn s | final limit | requests held / window hits | errors |")
+    yield "|---|---|---|---|---|---|---|---|---|---|---|---|"
     for r in results:
         held = "—" if r.held is None else f"{r.held} / {r.hits}"
         yield (f"| {r.workload} | {ARMS[r.arm]} | {r.turns_per_min:.1f} | {r.upstream_429} | {r.http_429} "
                f"({r.gave_up}) | {fmt(r.utilisation, 3)} | {fmt(pct(r.turns, 50), 2)} | {fmt(pct(r.turns, 90), 2)} "
-               f"| {r.final_limit} | {held} | {r.errors} |")
+               f"| {fmt(statistics.fmean(r.turns) if r.turns else None, 2)} | {r.final_limit} | {held} | {r.errors} |")
 
 
 def target_rows(results: Sequence[Result]) -> Iterator[tuple[str, str, str, bool]]:
