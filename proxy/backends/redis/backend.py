@@ -78,6 +78,7 @@ class RedisBackend(WindowKeeper):
         self.failovers = 0
         self.last_failover_at: int | None = None
         self._fleet_usage = RedisFleetUsage(self._link, self._pending, key_prefix, usage_retention)
+        self._link.watch_primary(self._primary_reached)
 
     @property
     def backoffs(self) -> BackoffLog:
@@ -97,7 +98,7 @@ class RedisBackend(WindowKeeper):
         try:
             await self._link.start()
             await self._link.ping()
-            self._primary = await self._link.primary()
+            self._primary_reached(await self._link.primary())
             await self.flush()
             await self.refresh()
         except RedisError as exc:
@@ -321,11 +322,17 @@ class RedisBackend(WindowKeeper):
                 self._mark_unhealthy(failure)
                 continue
             self._mark_healthy()
-            primary = await self._link.primary()
-            if primary is not None and primary != self._primary:
-                if self._primary is not None:
-                    self._failed_over(self._primary, primary)
-                self._primary = primary
+            self._primary_reached(self._link.reached() or await self._link.primary())
+
+    def _primary_reached(self, primary: str | None) -> None:
+        """The primary as reached now: by the health check, or by any connection the moment it reconnected
+        (a script batch's, the grant listener's, a ping's), whichever comes first. One failover, one count
+        and one line, however many of them see it."""
+        if primary is None or primary == self._primary:
+            return
+        old, self._primary = self._primary, primary
+        if old is not None and not self._closed:
+            self._failed_over(old, primary)
 
     def _failed_over(self, old: str, new: str) -> None:
         """One line per failover; what Redis may have lost with the old primary is put back by the next
