@@ -29,6 +29,7 @@ from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit
 from . import policy
 from .clock import Clock
 from .deadlines import Deadlines
+from .holding import holder_words, what_holds
 from .lease import AdmissionGate, Lease, LimiterSettings
 from .level import Budget, LimitLevel
 from .policy import QUEUE_LISTED, LimitKey, StickyKeys
@@ -212,33 +213,12 @@ class ProviderLimiter:
             self._deadlines.add(waiter, now + limit)
         self._dispatch()
         if waiter.queued:
-            waiter.holder = self.holder(waiter)
+            waiter.holder = what_holds(self, waiter)
             if limit is not None and limit <= 0:
                 self._expire(waiter)
             elif self.gate is not None:
                 self.gate.request_poll()
         return waiter
-
-    def holder(self, waiter: Waiter) -> str:
-        """What holds a queued waiter now, in words: the provider's pause, gate or limit, its keys, its model
-        cap, its pinned key, its windows, or only the waiters ahead of it."""
-        level = self.level
-        if level.available_at() is not None:
-            return "provider paused"
-        if self.gate is not None and not self.gate.admits():
-            return "usage gate"
-        if not level.has_room():
-            return "provider limit"
-        if self._pool and not any(key.has_room() for key in self._pool):
-            return "keys"
-        model = self._models.get(waiter.pattern) if waiter.pattern is not None else None
-        if model is not None and not model.has_room():
-            return f"model {waiter.pattern}"
-        if waiter.key is not None and not self._pinned_room(waiter.key):
-            return f"key {waiter.key}"
-        if waiter.held_by:
-            return _windows_named(waiter.held_by)
-        return "queue"
 
     def _class_of(self, waiter: Waiter) -> WaiterClass:
         group = waiter.group if waiter.cost is not None and self._windows is not None else None
@@ -417,8 +397,7 @@ class ProviderLimiter:
                 waiter.forget_callbacks()
                 lease = self._grant(waiter.priority, waiter.seq, self._clock.time() - waiter.enqueued_at,
                                     waiter.pattern, key, waiter.cost, waiter.group)
-                lease.model, lease.starred = waiter.model, waiter.starred
-                lease.holder = _windows_named(waiter.held_by) if waiter.held_by else waiter.holder
+                lease.model, lease.starred, lease.holder = waiter.model, waiter.starred, holder_words(waiter)
                 if on_grant is not None:
                     on_grant(lease)
         finally:
@@ -618,9 +597,3 @@ class ProviderLimiter:
             holders=holder_statuses(itertools.islice(self._active, QUEUE_LISTED), now) if queue_detail else (),
             windows=windows(None) if windows is not None and not self._pool else None,
         )
-
-
-def _windows_named(held_by: tuple[tuple[str | None, str, str], ...]) -> str:
-    """``window input_tokens_per_minute`` (with its key when a pool holds it), each window once."""
-    names = dict.fromkeys(window if key is None else f"{window} (key {key})" for key, _, window in held_by)
-    return "window " + ", ".join(names)

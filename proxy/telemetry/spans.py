@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
@@ -18,13 +18,38 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_
 from . import names
 
 if TYPE_CHECKING:
-    from ..http.accounting import Account
+    from opentelemetry.trace import Tracer
+
     from ..limiter import Priority, SlotLease
-    from .sdk import Telemetry
+    from ..providers.tokens import UsageReader
+    from .instruments import Instruments
 
 __all__ = ["ProviderFacts", "RequestTrace", "SocketTrace"]
 
 _ERROR = Status(StatusCode.ERROR)
+
+
+class Telemetry(Protocol):
+    """What spans are made with (``sdk.Telemetry``)."""
+
+    @property
+    def tracer(self) -> Tracer: ...
+
+    @property
+    def instruments(self) -> Instruments: ...
+
+
+class Account(Protocol):
+    """What the relay recorded of a request (``http.accounting.Account``)."""
+
+    arrived: float
+    model: str | None
+    priority: Priority | None
+    status: int
+    outcome: str
+    retries: int
+    ttfb_ms: int | None
+    usage: UsageReader | None
 
 
 @dataclass(frozen=True, slots=True)
