@@ -178,10 +178,12 @@ class Telemetry:
         self.tracer_provider = TracerProvider(resource=resource,
                                               sampler=ParentBased(TraceIdRatioBased(settings.sample)))
         self.tracer_provider.add_span_processor(_CountedBatch(BatchSpanProcessor(span_exporter), self.drops))
-        metric_exporter = _MetricExporter(endpoint=settings.signal_endpoint("metrics"))
-        metric_exporter.drops = self.drops
-        self.meter_provider = MeterProvider(resource=resource,
-                                            metric_readers=[PeriodicExportingMetricReader(metric_exporter)])
+        readers = []
+        if settings.metrics:
+            metric_exporter = _MetricExporter(endpoint=settings.signal_endpoint("metrics"))
+            metric_exporter.drops = self.drops
+            readers.append(PeriodicExportingMetricReader(metric_exporter))
+        self.meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         self.tracer = self.tracer_provider.get_tracer("slotproxy", __version__, schema_url=names.SCHEMA_URL)
         self.instruments = Instruments(self.meter_provider, settings.latest_experimental)
         self._facts: dict[tuple[str, str, str], ProviderFacts] = {}

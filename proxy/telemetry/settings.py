@@ -34,6 +34,8 @@ class TelemetrySettings:
     sample: float
     latest_experimental: bool
     """``OTEL_SEMCONV_STABILITY_OPT_IN`` names ``gen_ai_latest_experimental``."""
+    metrics: bool = True
+    """False with ``OTEL_METRICS_EXPORTER=none`` (a backend that takes traces only, such as Jaeger)."""
 
     def signal_endpoint(self, signal: str) -> str | None:
         return None if self.endpoint is None else f"{self.endpoint}/v1/{signal}"
@@ -54,6 +56,7 @@ def telemetry_settings(section: TelemetrySection, environ: Mapping[str, str]) ->
         service_name=section.service_name or environ.get("OTEL_SERVICE_NAME", "").strip() or "slotproxy",
         sample=section.sample,
         latest_experimental=LATEST_EXPERIMENTAL in opt_in,
+        metrics=environ.get("OTEL_METRICS_EXPORTER", "").strip().lower() != "none",
     )
 
 

@@ -108,4 +108,6 @@ def test_which_settings_turn_telemetry_on() -> None:
                                             "OTEL_SEMCONV_STABILITY_OPT_IN": "gen_ai_latest_experimental"})
     assert from_env is not None
     assert (from_env.signal_endpoint("traces"), from_env.shown_endpoint, from_env.service_name,
-            from_env.latest_experimental) == (None, "http://x:1", "svc", True)
+            from_env.latest_experimental, from_env.metrics) == (None, "http://x:1", "svc", True, True)
+    traces_only = telemetry_settings(written, {"OTEL_METRICS_EXPORTER": "none"})
+    assert traces_only is not None and not traces_only.metrics
