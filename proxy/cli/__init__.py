@@ -111,6 +111,19 @@ def check_backend_client(config: Config) -> None:
                    "pip install 'redis[hiredis]>=5' (or reinstall slotproxy with its dependencies)")
 
 
+def check_telemetry(config: Config) -> None:
+    """A configured OTLP endpoint needs the ``otel`` extra: say which install gives it."""
+    from ..telemetry import TelemetryNotInstalled, check_installed, telemetry_settings
+
+    settings = telemetry_settings(config.telemetry, os.environ)
+    if settings is None:
+        return
+    try:
+        check_installed(settings)
+    except TelemetryNotInstalled as exc:
+        raise CliError(str(exc)) from None
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -135,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        "would have limits of its own)")
     check_bind(config, host)
     check_backend_client(config)
+    check_telemetry(config)
     if args.worker_of is not None:  # a worker of serve --workers: its parent probed the port and holds it
         return _serve_as_worker(args, config, str(path), host, port)
     probe(host, port)  # a taken port is the one line printed, before start-up logs anything
@@ -174,6 +188,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     path = find_config(args.config)
     config = _load(path)
     check_backend_client(config)
+    check_telemetry(config)
     print(f"# {path}: valid")
     for warning in config.warnings(os.environ):
         print(f"warning: {warning}", file=sys.stderr)

@@ -16,9 +16,11 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
+    WithJsonSchema,
     field_serializer,
     model_validator,
 )
@@ -80,6 +82,7 @@ __all__ = [
     "RedisTls",
     "Server",
     "State",
+    "Telemetry",
     "Usage",
     "Workspaces",
     "config_json_schema",
@@ -313,6 +316,25 @@ class Logging(_Frozen):
     slow_grant: Duration = 5.0
 
 
+def _check_sample(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError("must be the share of requests traced: a number from 0 to 1, such as 1.0 or 0.1")
+    return float(value)
+
+
+class Telemetry(_Frozen):
+    """Traces and GenAI metrics over OTLP/HTTP; off unless an endpoint is given here or in the standard
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` variable."""
+
+    otlp_endpoint: Upstream | None = None
+    """The collector's OTLP/HTTP base URL: traces go to ``/v1/traces``, metrics to ``/v1/metrics``."""
+    service_name: NonEmptyStr | None = None
+    """null: ``OTEL_SERVICE_NAME``, else ``slotproxy``."""
+    sample: Annotated[float, BeforeValidator(_check_sample),
+                      WithJsonSchema({"type": "number", "minimum": 0, "maximum": 1})] = 1.0
+    """The share of new traces kept; a client's ``traceparent`` that says sampled (or not) is followed."""
+
+
 # --- the resolved view ---------------------------------------------------------------
 
 
@@ -397,6 +419,7 @@ class Config(_Frozen):
     ledger: Ledger = Field(default_factory=Ledger)
     backend: Backend = Field(default_factory=Backend)
     logging: Logging = Field(default_factory=Logging)
+    telemetry: Telemetry = Field(default_factory=Telemetry)
 
     _settings: dict[str, ProviderSettings] = PrivateAttr(default_factory=dict)
 

@@ -10,11 +10,15 @@ upstream answer: queue full, queue timeout, shutting down, a bad request, …).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from ..ledger.store import LedgerRow
 from ..limiter import Priority
 from ..providers.decoders import StreamDecoder, decoder_for
 from ..providers.tokens import UsageReader
+
+if TYPE_CHECKING:
+    from ..telemetry.spans import RequestTrace
 
 __all__ = ["Account", "BodyTail"]
 
@@ -33,7 +37,7 @@ class Account:
     """What the ledger will say of one request."""
 
     __slots__ = ("arrived", "key", "model", "outcome", "priority", "provider", "queue_ms", "retries", "status",
-                 "transport", "ttfb_ms", "usage")
+                 "trace", "transport", "ttfb_ms", "usage")
 
     def __init__(self, provider: str, transport: str = "http", arrived: float | None = None) -> None:
         self.arrived = time.monotonic() if arrived is None else arrived
@@ -48,6 +52,8 @@ class Account:
         self.ttfb_ms: int | None = None
         self.retries = 0
         self.usage: UsageReader | None = None
+        self.trace: RequestTrace | None = None
+        """Its spans, while telemetry is on."""
 
     def first_byte(self) -> None:
         """The upstream's answer began to reach the client."""

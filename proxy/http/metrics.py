@@ -368,6 +368,10 @@ class Metrics:
             "slotproxy_ledger_dropped", "Ledger rows that could not be written (the requests were served)",
             registry=self.registry,
         )
+        self.telemetry_dropped = Counter(
+            "slotproxy_telemetry_dropped", "Spans the OTLP collector never got (the requests were served)",
+            registry=self.registry,
+        )
         self.tokens: dict[tuple[str, str, str], list[int]] = {}
         """Tokens by (provider, key, model label) as the answers stated them: one total per type, in the
         ledger's column order (a type still at 0 is not shown)."""

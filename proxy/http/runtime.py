@@ -30,6 +30,7 @@ from ..config.model import Backend as BackendSettings
 from ..ledger.store import Ledger
 from ..limiter import KeySettings, LimiterSettings, ModelCap, SlotLease, policy
 from ..providers.concurrency_gate import GatePollers
+from ..telemetry import start as start_telemetry
 from .access import ClientKeys
 from .accounting import Account
 from .connections import ConnectionGuard, ConnectionSettings
@@ -43,6 +44,7 @@ from .windows import Windowing
 
 if TYPE_CHECKING:
     from ..backends.redis import RedisTarget
+    from ..telemetry.sdk import Telemetry
 
 __all__ = ["OpenSocket", "OpenSockets", "ProxyState", "limiter_settings", "make_backend", "redis_target"]
 
@@ -127,6 +129,9 @@ class ProxyState:
         self.open_sockets = OpenSockets()
         self.metrics = Metrics(lambda: self.backend.statistics(queue_detail=False), self.backend.backend_status,
                                self.open_sockets.count, worker=worker)
+        self.telemetry: Telemetry | None = start_telemetry(config.telemetry, os.environ,
+                                                           self.metrics.telemetry_dropped.inc)
+        """Traces and GenAI metrics, when an OTLP endpoint is configured (a change needs a restart)."""
         self.upstreams = Upstreams()
         self.idle_watch = IdleWatch()
         """The idle_timeout deadlines of the upstream exchanges in flight."""
@@ -259,15 +264,22 @@ class ProxyState:
         """Connect the backend (Redis) and open the ledger before the first request is served."""
         await self.backend.start()
         await self.ledger.start()
+        if self.telemetry is not None:
+            self.telemetry.start(lambda: self.backend.statistics(queue_detail=False))
 
     async def close(self) -> None:
         await self.pollers.close()
         await self.upstreams.close()
         await self.ledger.close()
         await self.backend.close()
+        if self.telemetry is not None:
+            await self.telemetry.close()
 
     def account(self, account: Account) -> None:
-        """A request ended: its ledger row, the fleet's aggregates, the token counters."""
+        """A request ended: its ledger row, the fleet's aggregates, the token counters, its spans."""
+        trace = account.trace
+        if trace is not None:
+            trace.end(account)
         row = account.row()
         self.ledger.record(row)
         self.backend.record_usage(row)

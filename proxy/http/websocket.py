@@ -60,6 +60,7 @@ from .windows import EndedResponses, parsed_request
 
 if TYPE_CHECKING:
     from ..config import ProviderSettings
+    from ..telemetry.spans import SocketTrace
 
 __all__ = ["relay_websocket", "wants_websocket"]
 
@@ -101,6 +102,8 @@ async def relay_websocket(request: web.Request, state: ProxyState, provider: str
     except ProxyError as exc:
         response = error_response(exc)
     if not isinstance(response, web.WebSocketResponse):
+        if relay.trace is not None:
+            relay.trace.end(response.status)
         state.metrics.count_request(provider, str(response.status))
         refused = Account(provider, "websocket")
         refused.priority, refused.status = relay.priority, response.status
@@ -124,8 +127,8 @@ class SocketRelay:
     """One client socket and its upstream socket."""
 
     __slots__ = ("client", "closing_after_responses", "consumed", "ended", "in_flight", "key", "priority",
-                 "prompt_from_handshake", "provider", "request", "settings", "state", "upstream", "upstream_pump",
-                 "url", "watch", "windowing")
+                 "prompt_from_handshake", "provider", "request", "settings", "state", "trace", "upstream",
+                 "upstream_pump", "url", "watch", "windowing")
 
     def __init__(self, request: web.Request, state: ProxyState, provider: str, settings: ProviderSettings,
                  url: URL, consumed: frozenset[str]) -> None:
@@ -152,6 +155,8 @@ class SocketRelay:
         self.windowing = state.windowing(provider)
         self.ended = EndedResponses()
         """With token windows: the input and output tokens each recent response reported, by its id."""
+        self.trace: SocketTrace | None = None if state.telemetry is None else \
+            state.telemetry.socket(request.headers, provider, settings, request.path)
 
     def _handshake_names_prompt(self) -> bool:
         """Whether the handshake itself said when the prompt began (else each response is aged from its own
@@ -210,8 +215,11 @@ class SocketRelay:
 
     def _upstream_headers(self) -> CIMultiDict[str]:
         strip = self.state.strip_headers | self.consumed | _HANDSHAKE_HEADERS
-        return forward_request_headers(self.request.headers, strip=strip,
-                                       auth=self.state.upstreams.auth(self.settings, self.key))
+        headers = forward_request_headers(self.request.headers, strip=strip,
+                                          auth=self.state.upstreams.auth(self.settings, self.key))
+        if self.trace is not None:
+            headers["traceparent"] = self.trace.traceparent
+        return headers
 
     def _refused(self, exc: aiohttp.WSServerHandshakeError, body: bytes,
                  sent_at: float) -> web.StreamResponse | _Retry:
@@ -274,6 +282,8 @@ class SocketRelay:
             self._end_all(_CLIENT_GONE if not upstream.closed else _UPSTREAM_FAILED,
                           "client_gone" if not upstream.closed else "upstream_error")
             self.state.open_sockets.closed(self)
+            if self.trace is not None:
+                self.trace.end(101)
             await _quietly(upstream.close(code=_sendable(client.close_code, WSCloseCode.GOING_AWAY)))
             await _quietly(client.close(code=_sendable(upstream.close_code, WSCloseCode.GOING_AWAY)))
             await asyncio.gather(pump, return_exceptions=True)
@@ -325,6 +335,8 @@ class SocketRelay:
         except (QueueFull, QueueTimeout, ShuttingDown) as exc:
             self.state.request_finished()
             account.queue_ms = round((time.monotonic() - asked_at) * 1000)
+            if self.trace is not None:
+                self.trace.response().waited(time.monotonic() - asked_at, priority, refused=exc.status)
             await self._refuse(client, exc, account)
             return False
         except BaseException:
@@ -332,6 +344,10 @@ class SocketRelay:
             raise
         self.state.observe_grant(self.provider, lease)
         account.queue_ms, account.key = round(lease.queue_wait * 1000), lease.key
+        if self.trace is not None:
+            account.trace = trace = self.trace.response()
+            trace.waited(lease.queue_wait, priority, lease)
+            trace.sending(account.model, lease.key)
         self._start(_Response(lease, account, estimate, group))
         return True
 
