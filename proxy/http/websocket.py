@@ -317,6 +317,10 @@ class SocketRelay:
             await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0),
                                account)
             return False
+        refusal = self.state.spend_refusal(priority.workspace, self.settings)
+        if refusal is not None:
+            await self._refuse(client, refusal, account)
+            return False
         self.state.request_started()
         asked_at = time.monotonic()
         try:
@@ -332,6 +336,12 @@ class SocketRelay:
             raise
         self.state.observe_grant(self.provider, lease)
         account.queue_ms, account.key = round(lease.queue_wait * 1000), lease.key
+        refusal = self.state.spend_refusal(priority.workspace, self.settings)
+        if refusal is not None:  # its workspace reached its cap while it waited
+            lease.release()
+            self.state.request_finished()
+            await self._refuse(client, refusal, account)
+            return False
         self._start(_Response(lease, account, estimate, group))
         return True
 
