@@ -27,8 +27,8 @@ __all__ = ["DAY_MS", "PriceTable", "Rates", "genai_prices_version", "warm_up"]
 log = logging.getLogger("slotproxy.ledger")
 
 DAY_MS = 86_400_000
+_MINUTE_MS = 60_000
 _MILLION = 1_000_000.0
-_MISSING = object()
 _MAX_CACHED = 4096
 """(provider, model) pairs kept; past this the table is emptied (a client naming endless models)."""
 
@@ -67,7 +67,8 @@ class PriceTable:
                  providers: Mapping[str, tuple[str | None, str]] | None = None) -> None:
         self._configured: tuple[tuple[str, Rates], ...] = ()
         self._providers: dict[str, tuple[str | None, str]] = {}
-        self._cache: dict[tuple[str, str], tuple[Rates | None, int]] = {}
+        self._cache: dict[tuple[str, str], tuple[Rates | None, int, int]] = {}
+        """(provider, model) -> (rates, from, until): the rates in force from ``from`` until ``until`` (epoch ms)."""
         self.configure(prices or {}, providers or {})
 
     def configure(self, prices: Mapping[str, Any], providers: Mapping[str, tuple[str | None, str]]) -> None:
@@ -81,24 +82,28 @@ class PriceTable:
         """The cost of one request's counts, or None when its model has no known price."""
         if model is None:
             return None
-        entry = self._cache.get((provider, model), _MISSING)
-        if entry is _MISSING or now_ms >= entry[1]:  # type: ignore[index]
+        entry = self._cache.get((provider, model))
+        if entry is None or not entry[1] <= now_ms < entry[2]:
             entry = self._resolve(provider, model, now_ms)
-        rates = entry[0]  # type: ignore[index]
+        rates = entry[0]
         return None if rates is None else rates.cost(counts)
 
     def rates(self, provider: str, model: str, now_ms: int) -> Rates | None:
         """The rates a request naming ``model`` pays now (None: no known price)."""
         return self._resolve(provider, model, now_ms)[0]
 
-    def _resolve(self, provider: str, model: str, now_ms: int) -> tuple[Rates | None, int]:
-        until = (now_ms // DAY_MS + 1) * DAY_MS
+    def _resolve(self, provider: str, model: str, now_ms: int) -> tuple[Rates | None, int, int]:
+        since = now_ms // DAY_MS * DAY_MS
+        until = since + DAY_MS
         rates = next((rates for pattern, rates in self._configured if fnmatchcase(model, pattern)), None)
         if rates is None:
-            rates, until = _published(self._providers.get(provider, (None, provider)), model, now_ms, until)
+            rates, by_the_minute = _published(self._providers.get(provider, (None, provider)), model, now_ms)
+            if by_the_minute:
+                since = now_ms // _MINUTE_MS * _MINUTE_MS
+                until = since + _MINUTE_MS
         if len(self._cache) >= _MAX_CACHED:
             self._cache = {}
-        entry = self._cache[(provider, model)] = (rates, until)
+        entry = self._cache[(provider, model)] = (rates, since, until)
         return entry
 
 
@@ -135,14 +140,14 @@ def genai_prices_version() -> str | None:
         return None
 
 
-def _published(ids: tuple[str | None, str], model: str, now_ms: int, until: int) -> tuple[Rates | None, int]:
+def _published(ids: tuple[str | None, str], model: str, now_ms: int) -> tuple[Rates | None, bool]:
     """The genai-prices rates of ``model`` under the first of ``ids`` (an upstream URL, a provider id) that
-    knows it, as of ``now_ms``; and until when they hold (the day's end, or the hour's for a price that
-    changes with the time of day)."""
+    knows it, as of ``now_ms``; and whether they change with the time of day (an off-peak price), so hold
+    for the minute only (else for the day)."""
     try:
         snapshot = _snapshot()
     except ImportError:
-        return None, until
+        return None, False
     from genai_prices.types import TieredPrices, TimeOfDateConstraint
 
     url, provider_id = ids
@@ -156,16 +161,15 @@ def _published(ids: tuple[str | None, str], model: str, now_ms: int, until: int)
         except LookupError:
             continue
     if found is None:
-        return None, until
+        return None, False
     info = found[1]
     price = info.get_prices(datetime.fromtimestamp(now_ms / 1000, tz=UTC))
-    if isinstance(info.prices, list) and any(isinstance(conditional.constraint, TimeOfDateConstraint)
-                                             for conditional in info.prices):
-        until = min(until, (now_ms // 3_600_000 + 1) * 3_600_000)
+    by_the_minute = isinstance(info.prices, list) and any(
+        isinstance(conditional.constraint, TimeOfDateConstraint) for conditional in info.prices)
     names = ("input_mtok", "cache_read_mtok", "cache_write_mtok", "output_mtok")
     values = [getattr(price, name, None) for name in names]
     if values[0] is None or values[3] is None:
-        return None, until
+        return None, by_the_minute
     values = [values[0] if value is None else value for value in values]
     thresholds = sorted({tier.start for value in values if isinstance(value, TieredPrices) for tier in value.tiers},
                         reverse=True)
@@ -174,7 +178,7 @@ def _published(ids: tuple[str | None, str], model: str, now_ms: int, until: int)
         rates = [_rate(value, total_input) for value in values]
         return Rates(rates[0], rates[1], rates[2], rates[3])
 
-    return at(None)._replace(tiers=tuple((threshold, at(threshold + 1)) for threshold in thresholds)), until
+    return at(None)._replace(tiers=tuple((threshold, at(threshold + 1)) for threshold in thresholds)), by_the_minute
 
 
 def _rate(value: Any, total_input: int | None) -> float:
