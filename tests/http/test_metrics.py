@@ -171,7 +171,7 @@ sys.stdout.write(metrics.render().decode())
 
 
 def test_costs_are_a_counter_per_provider_key_and_model_in_one_process_and_across_workers(tmp_path: Path) -> None:
-    metrics = Metrics(lambda: [])
+    metrics = Metrics(list)
     metrics.count_tokens(_row("openai", "b", (10, 0, 0, 1, 0))._replace(cost_usd=0.125), "gpt-5*")
     metrics.count_tokens(_row("openai", "b", (10, 0, 0, 1, 0)), "gpt-5*")  # unpriced: no dollars
     assert 'slotproxy_cost_usd_total{key="b",model="gpt-5*",provider="openai"} 0.125' in metrics.render().decode()
