@@ -190,10 +190,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     check_backend_client(config)
     check_telemetry(config)
     print(f"# {path}: valid")
+    print(f"# {_prices_line(config)}")
     for warning in config.warnings(os.environ):
         print(f"warning: {warning}", file=sys.stderr)
     print(yaml.safe_dump(config.masked(), sort_keys=False, allow_unicode=True), end="")
     return 0
+
+
+def _prices_line(config: Config) -> str:
+    """Where the ledger's costs come from, and the spend caps in force."""
+    from ..ledger.prices import genai_prices_version
+
+    published = genai_prices_version()
+    source = f"genai-prices {published}'s data" if published else "no published prices (genai-prices is missing)"
+    own = len(config.prices)
+    line = f"prices: {own} pattern{'' if own == 1 else 's'} from the config, then {source}"
+    caps = config.workspaces.spend_per_day_usd
+    if caps:
+        line += "; spend caps per UTC day: " + ", ".join(f"{name} ${cap:,.2f}" for name, cap in caps.items())
+    return line
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -55,6 +55,7 @@ from .types import (
     Statuses,
     Upstream,
     UsageUrl,
+    Usd,
     env_name_for_display,
     looks_like_a_key,
 )
@@ -76,6 +77,7 @@ __all__ = [
     "Logging",
     "ModelLimit",
     "PoolKey",
+    "Price",
     "Provider",
     "ProviderSettings",
     "Recovery",
@@ -228,6 +230,17 @@ class Workspaces(_Frozen):
 
     starred: tuple[NonEmptyStr, ...] = ()
     max_share: Share | None = None
+    spend_per_day_usd: dict[NonEmptyStr, Usd] = Field(default_factory=dict)
+    """Caps per workspace per UTC day, in US dollars; ``"*"``: each workspace not named."""
+
+
+class Price(_Frozen):
+    """US dollars per million tokens. ``cache_read`` and ``cache_write`` left out cost what ``input`` costs."""
+
+    input: Usd
+    output: Usd
+    cache_read: Usd | None = None
+    cache_write: Usd | None = None
 
 
 class Headers(_Frozen):
@@ -414,6 +427,8 @@ class Config(_Frozen):
         json_schema_extra=PROVIDER_NAMES_SCHEMA,
     )
     workspaces: Workspaces = Field(default_factory=Workspaces)
+    prices: dict[ModelPattern, Price] = Field(default_factory=dict)
+    """Prices per model pattern (shell-style, the first that matches), before the genai-prices data."""
     headers: Headers = Field(default_factory=Headers)
     state: State = Field(default_factory=State)
     ledger: Ledger = Field(default_factory=Ledger)
@@ -456,6 +471,9 @@ class Config(_Frozen):
         With ``environ``, also every ``api_key_env`` that names a variable unset or empty there.
         """
         found = []
+        if self.workspaces.spend_per_day_usd and self.ledger.path is None and self.backend.kind == "memory":
+            found.append("workspaces.spend_per_day_usd with ledger.path null: the day's spend is counted from "
+                         "when the proxy started (a restart starts it again from 0)")
         for name, settings in self._settings.items():
             if environ is not None and settings.api_key_env and not environ.get(settings.api_key_env):
                 found.append(_missing_key_warning(f"providers.{name}.api_key_env", settings.api_key_env))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..ledger.prices import PriceTable
 from ..ledger.store import LedgerRow
 from ..limiter import Priority
 from ..providers.decoders import StreamDecoder, decoder_for
@@ -60,18 +61,25 @@ class Account:
         if self.ttfb_ms is None:
             self.ttfb_ms = round((time.monotonic() - self.arrived) * 1000)
 
-    def row(self) -> LedgerRow:
+    def row(self, prices: PriceTable | None = None) -> LedgerRow:
+        """The ledger's row; ``prices`` prices its tokens (``cost_usd``)."""
         priority = self.priority
         counts = self.usage.totals() if self.usage is not None else None
         if priority is None:
             workspace, starred, conversation = "default", False, None
         else:
             workspace, starred, conversation = priority.workspace, priority.starred, priority.conversation
-        tokens = _UNKNOWN if counts is None else counts
+        ended_at = int(time.time() * 1000)
+        tokens: tuple[int | None, ...]
+        if counts is None:
+            tokens, cost = _UNKNOWN, None
+        else:
+            tokens = counts
+            cost = None if prices is None else prices.cost(self.provider, self.model, counts, ended_at)
         return _new_row(LedgerRow, (
-            int(time.time() * 1000), self.provider, self.key, self.model, workspace, starred, conversation,
+            ended_at, self.provider, self.key, self.model, workspace, starred, conversation,
             self.transport, self.status, self.outcome, self.queue_ms, self.ttfb_ms,
-            round((time.monotonic() - self.arrived) * 1000), *tokens, self.retries))
+            round((time.monotonic() - self.arrived) * 1000), *tokens, self.retries, cost))
 
 
 class BodyTail:

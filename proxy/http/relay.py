@@ -236,6 +236,9 @@ class Exchange:
         while True:
             asked_at = time.monotonic()
             lease: SlotLease | _NoSlot
+            refusal = self._over_spend(seq)
+            if refusal is not None:
+                return error_response(refusal, queue_ms=self.queue_ms)
             try:
                 if self.needs_slot:
                     client_wait = None if self.client_deadline is None else max(
@@ -262,6 +265,10 @@ class Exchange:
                 return error_response(exc, queue_ms=self.queue_ms)
             waited += lease.queue_wait
             self.queue_ms = self.account.queue_ms = int(waited * 1000)
+            refusal = self._over_spend(seq)
+            if refusal is not None:  # its workspace reached its cap while it waited
+                lease.release()
+                return error_response(refusal, queue_ms=self.queue_ms)
             self.account.key = lease.key
             seq = lease.seq
             try:
@@ -275,6 +282,12 @@ class Exchange:
                 if self.windowing is not None:
                     self._settle(lease)
                 lease.release()
+
+    def _over_spend(self, seq: int | None) -> ProxyError | None:
+        """A new request (not a retry) of a workspace whose spend today reached its cap is refused."""
+        if seq is not None or not self.needs_slot:
+            return None
+        return self.state.spend_refusal(self.priority.workspace, self.settings)
 
     def _settle(self, lease: SlotLease | _NoSlot) -> None:
         """Reconcile the windows this attempt took from with the usage its answer reported."""

@@ -35,11 +35,12 @@ from redis.exceptions import RedisError
 
 from ...errors import ProxyError, UnknownLimit, UnknownProvider
 from ...ledger.report import UsageQuery
+from ...ledger.spend import SpendUnread
 from ...ledger.store import LedgerRow
 from ...limiter import Budget, Clock, LimiterSettings, ProviderStatus, policy
 from ...limiter.watchdog import SlotWatchdog
 from ...logs import BackoffLog
-from .client import SCRIPTS, text
+from .client import SCRIPTS, in_words, text
 from .fleet import RedisFleetUsage
 from .link import RedisTarget, open_link
 from .status import limit_arg, status_from, unread_status
@@ -154,6 +155,14 @@ class RedisBackend(WindowKeeper):
         self._fleet_usage.send()
         await self.flush()
         return await self._fleet_usage.read(query, self._settings)
+
+    async def fleet_spend(self, day_start_ms: int) -> dict[str, float] | None:
+        self._fleet_usage.send()
+        try:
+            await self.flush()
+            return await self._fleet_usage.day_spend(day_start_ms, self._settings)
+        except RedisError as exc:
+            raise SpendUnread(f"the fleet's spend could not be read from redis ({in_words(exc)})") from None
 
     # ----- control ---------------------------------------------------------------
 
