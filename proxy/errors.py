@@ -19,6 +19,7 @@
         ├── TooManyConnections     503 too_many_connections: at max_connections, every connection busy
         ├── UpstreamUnreachable    502 upstream_unreachable
         ├── UpstreamTimeout        504 upstream_timeout
+        ├── SpendLimitReached      429 spend_limit_reached: the workspace's spend today reached its cap
         └── WebSocketUnsupported   426 websocket_unsupported: the client falls back to HTTP at once
 
 Foreign errors (aiohttp, YAML, pydantic, Redis) are translated into these at one
@@ -41,6 +42,7 @@ __all__ = [
     "RequestTimeout",
     "ShuttingDown",
     "SlotproxyError",
+    "SpendLimitReached",
     "StateError",
     "TooManyConnections",
     "UnknownLimit",
@@ -146,6 +148,22 @@ class UpstreamUnreachable(ProxyError):
 
 class UpstreamTimeout(ProxyError):
     status, code = 504, "upstream_timeout"
+
+
+class SpendLimitReached(ProxyError):
+    """A workspace's spend today (UTC) reached its cap: answered in the provider's own error shape, so its
+    SDK surfaces the code (OpenAI's ``error.code``, Anthropic's ``error.type``)."""
+
+    status, code = 429, "spend_limit_reached"
+
+    def __init__(self, message: str, *, retry_after: float, dialect: str = "openai") -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.dialect = dialect
+
+    def body(self) -> dict[str, object]:
+        if self.dialect == "anthropic":
+            return {"type": "error", "error": {"type": self.code, "message": self.message}}
+        return {"error": {"message": self.message, "type": "rate_limit_error", "code": self.code}}
 
 
 class SlotLost(ProxyError):

@@ -8,7 +8,7 @@ import socket
 import subprocess
 import textwrap
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,3 +153,18 @@ def provider_yaml(upstream: Upstream, **settings: Any) -> str:
 
 def chat(stream: bool = True, user: str = "") -> dict[str, Any]:
     return {"model": "fake", "stream": stream, "user": user, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend_yaml(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The ``backend:`` line of a proxy's config: none (memory), then a Redis of its own key prefix (removed
+    afterwards), so a test taking it runs on both backends."""
+    from .backends.conftest import REDIS_URL, delete_prefix, require_redis
+
+    if request.param == "memory":
+        yield ""
+        return
+    require_redis()
+    prefix = f"slotproxy-test-{os.urandom(5).hex()}"
+    yield f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: {prefix}, lease_ttl: 2s}}\n"
+    delete_prefix(REDIS_URL, prefix)

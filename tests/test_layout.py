@@ -17,6 +17,7 @@ MAX_LINES = 600
 STACK = ("cli", "tools", "server", "admin", "http")
 """From the top: each of these folders may import the ones after it, and every one of ``BELOW``."""
 BELOW = {
+    "telemetry": {"providers", "limiter", "config"},
     "providers": {"limiter", "config"},
     "backends": {"ledger", "limiter"},
     "ledger": set(),

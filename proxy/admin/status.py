@@ -16,6 +16,7 @@ def status_document(state: ProxyState) -> dict[str, Any]:
     return {
         "providers": [provider_document(state, status) for status in state.backend.statistics()],
         "backend": state.backend.backend_status(),
+        "spend": state.spend.document(),
         "config": {
             "path": state.config_path,
             "loaded_at": int(state.loaded_at * 1000),

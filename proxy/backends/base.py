@@ -109,6 +109,10 @@ class Backend(Protocol):
         """``/usage``'s answer for the whole fleet, or None where this replica's ledger answers it (memory, or
         a query naming conversations)."""
 
+    async def fleet_spend(self, day_start_ms: int) -> dict[str, float] | None:
+        """The whole fleet's spend per workspace since ``day_start_ms`` (a UTC day's start), or None where this
+        replica's ledger holds it (memory). Raises ``SpendUnread`` when it cannot be read."""
+
     def shed_queues(self, error: ProxyError) -> int:
         """Reject every waiter with ``error`` (graceful shutdown)."""
 

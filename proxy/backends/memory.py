@@ -203,6 +203,9 @@ class MemoryBackend:
     async def fleet_usage(self, query: UsageQuery) -> dict[str, object] | None:
         return None
 
+    async def fleet_spend(self, day_start_ms: int) -> dict[str, float] | None:
+        return None
+
     def shed_queues(self, error: ProxyError) -> int:
         return sum(limiter.shed(error) for limiter in [*self._limiters.values(), *self._retired.values()])
 

@@ -111,6 +111,19 @@ def check_backend_client(config: Config) -> None:
                    "pip install 'redis[hiredis]>=5' (or reinstall slotproxy with its dependencies)")
 
 
+def check_telemetry(config: Config) -> None:
+    """A configured OTLP endpoint needs the ``otel`` extra: say which install gives it."""
+    from ..telemetry import TelemetryNotInstalled, check_installed, telemetry_settings
+
+    settings = telemetry_settings(config.telemetry, os.environ)
+    if settings is None:
+        return
+    try:
+        check_installed(settings)
+    except TelemetryNotInstalled as exc:
+        raise CliError(str(exc)) from None
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -135,6 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        "would have limits of its own)")
     check_bind(config, host)
     check_backend_client(config)
+    check_telemetry(config)
     if args.worker_of is not None:  # a worker of serve --workers: its parent probed the port and holds it
         return _serve_as_worker(args, config, str(path), host, port)
     probe(host, port)  # a taken port is the one line printed, before start-up logs anything
@@ -174,11 +188,27 @@ def cmd_check(args: argparse.Namespace) -> int:
     path = find_config(args.config)
     config = _load(path)
     check_backend_client(config)
+    check_telemetry(config)
     print(f"# {path}: valid")
+    print(f"# {_prices_line(config)}")
     for warning in config.warnings(os.environ):
         print(f"warning: {warning}", file=sys.stderr)
     print(yaml.safe_dump(config.masked(), sort_keys=False, allow_unicode=True), end="")
     return 0
+
+
+def _prices_line(config: Config) -> str:
+    """Where the ledger's costs come from, and the spend caps in force."""
+    from ..ledger.prices import genai_prices_version
+
+    published = genai_prices_version()
+    source = f"genai-prices {published}'s data" if published else "no published prices (genai-prices is missing)"
+    own = len(config.prices)
+    line = f"prices: {own} pattern{'' if own == 1 else 's'} from the config, then {source}"
+    caps = config.workspaces.spend_per_day_usd
+    if caps:
+        line += "; spend caps per UTC day: " + ", ".join(f"{name} ${cap:,.2f}" for name, cap in caps.items())
+    return line
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -165,6 +165,7 @@ def format_status(status: dict[str, Any], *, now_ms: float | None = None, skew_m
             if budget:
                 lines.append(f"  {who} budget: {_budget(budget, clock)}")
     lines += _windows(providers)
+    lines += _spend(status, clock)
     lines += _backend_and_config(status, clock)
 
     for p in providers:
@@ -242,6 +243,22 @@ def _window_fill(window: dict[str, Any], full: str, empty: str) -> str:
         parts.append("estimates off by " + " ".join(f"{_percent(value)} ({q})" for q, value in errors
                                                     if value is not None))
     return ", ".join(parts)
+
+
+def _spend(status: dict[str, Any], clock: _Clock) -> list[str]:
+    """A line per workspace with a daily cap that has spent today: ``web-app spent $12.40 of $200.00 today``."""
+    lines = []
+    for entry in status.get("spend") or []:
+        if not isinstance(entry, dict):
+            continue
+        spent, cap = float(entry.get("spent_usd") or 0), float(entry.get("cap_usd") or 0)
+        line = f"  workspace {entry.get('workspace')} spent ${spent:,.2f} of ${cap:,.2f} today"
+        if spent >= cap:
+            line += ": new requests refused"
+        if entry.get("resets_at"):
+            line += f", resets {clock.when(entry['resets_at'])}"
+        lines.append(line)
+    return lines
 
 
 def _count(value: object) -> str:

@@ -16,9 +16,11 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
+    WithJsonSchema,
     field_serializer,
     model_validator,
 )
@@ -53,6 +55,7 @@ from .types import (
     Statuses,
     Upstream,
     UsageUrl,
+    Usd,
     env_name_for_display,
     looks_like_a_key,
 )
@@ -74,12 +77,14 @@ __all__ = [
     "Logging",
     "ModelLimit",
     "PoolKey",
+    "Price",
     "Provider",
     "ProviderSettings",
     "Recovery",
     "RedisTls",
     "Server",
     "State",
+    "Telemetry",
     "Usage",
     "Workspaces",
     "config_json_schema",
@@ -225,6 +230,17 @@ class Workspaces(_Frozen):
 
     starred: tuple[NonEmptyStr, ...] = ()
     max_share: Share | None = None
+    spend_per_day_usd: dict[NonEmptyStr, Usd] = Field(default_factory=dict)
+    """Caps per workspace per UTC day, in US dollars; ``"*"``: each workspace not named."""
+
+
+class Price(_Frozen):
+    """US dollars per million tokens. ``cache_read`` and ``cache_write`` left out cost what ``input`` costs."""
+
+    input: Usd
+    output: Usd
+    cache_read: Usd | None = None
+    cache_write: Usd | None = None
 
 
 class Headers(_Frozen):
@@ -313,6 +329,25 @@ class Logging(_Frozen):
     slow_grant: Duration = 5.0
 
 
+def _check_sample(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError("must be the share of requests traced: a number from 0 to 1, such as 1.0 or 0.1")
+    return float(value)
+
+
+class Telemetry(_Frozen):
+    """Traces and GenAI metrics over OTLP/HTTP; off unless an endpoint is given here or in the standard
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` variable."""
+
+    otlp_endpoint: Upstream | None = None
+    """The collector's OTLP/HTTP base URL: traces go to ``/v1/traces``, metrics to ``/v1/metrics``."""
+    service_name: NonEmptyStr | None = None
+    """null: ``OTEL_SERVICE_NAME``, else ``slotproxy``."""
+    sample: Annotated[float, BeforeValidator(_check_sample),
+                      WithJsonSchema({"type": "number", "minimum": 0, "maximum": 1})] = 1.0
+    """The share of new traces kept; a client's ``traceparent`` that says sampled (or not) is followed."""
+
+
 # --- the resolved view ---------------------------------------------------------------
 
 
@@ -392,11 +427,14 @@ class Config(_Frozen):
         json_schema_extra=PROVIDER_NAMES_SCHEMA,
     )
     workspaces: Workspaces = Field(default_factory=Workspaces)
+    prices: dict[ModelPattern, Price] = Field(default_factory=dict)
+    """Prices per model pattern (shell-style, the first that matches), before the genai-prices data."""
     headers: Headers = Field(default_factory=Headers)
     state: State = Field(default_factory=State)
     ledger: Ledger = Field(default_factory=Ledger)
     backend: Backend = Field(default_factory=Backend)
     logging: Logging = Field(default_factory=Logging)
+    telemetry: Telemetry = Field(default_factory=Telemetry)
 
     _settings: dict[str, ProviderSettings] = PrivateAttr(default_factory=dict)
 
@@ -433,6 +471,9 @@ class Config(_Frozen):
         With ``environ``, also every ``api_key_env`` that names a variable unset or empty there.
         """
         found = []
+        if self.workspaces.spend_per_day_usd and self.ledger.path is None and self.backend.kind == "memory":
+            found.append("workspaces.spend_per_day_usd with ledger.path null: the day's spend is counted from "
+                         "when the proxy started (a restart starts it again from 0)")
         for name, settings in self._settings.items():
             if environ is not None and settings.api_key_env and not environ.get(settings.api_key_env):
                 found.append(_missing_key_warning(f"providers.{name}.api_key_env", settings.api_key_env))

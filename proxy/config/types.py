@@ -54,6 +54,7 @@ __all__ = [
     "Statuses",
     "Upstream",
     "UsageUrl",
+    "Usd",
     "WindowLimit",
     "env_name_for_display",
     "format_duration",
@@ -325,6 +326,16 @@ def _check_share(value: object) -> float:
 
 Share = Annotated[float, BeforeValidator(_check_share), WithJsonSchema(
     {"type": "number", "exclusiveMinimum": 0, "maximum": 1})]
+
+def _check_usd(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError("must be an amount of US dollars: a number, 0 or more, such as 3.75")
+    return float(value)
+
+
+Usd = Annotated[float, BeforeValidator(_check_usd), WithJsonSchema({"type": "number", "minimum": 0})]
+"""US dollars (a price per million tokens, a cap per day): a finite number, 0 or more."""
+
 
 def _check_headroom(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:

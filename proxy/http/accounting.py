@@ -10,11 +10,16 @@ upstream answer: queue full, queue timeout, shutting down, a bad request, …).
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
+from ..ledger.prices import PriceTable
 from ..ledger.store import LedgerRow
 from ..limiter import Priority
 from ..providers.decoders import StreamDecoder, decoder_for
 from ..providers.tokens import UsageReader
+
+if TYPE_CHECKING:
+    from ..telemetry.spans import RequestTrace
 
 __all__ = ["Account", "BodyTail"]
 
@@ -33,7 +38,7 @@ class Account:
     """What the ledger will say of one request."""
 
     __slots__ = ("arrived", "key", "model", "outcome", "priority", "provider", "queue_ms", "retries", "status",
-                 "transport", "ttfb_ms", "usage")
+                 "trace", "transport", "ttfb_ms", "usage")
 
     def __init__(self, provider: str, transport: str = "http", arrived: float | None = None) -> None:
         self.arrived = time.monotonic() if arrived is None else arrived
@@ -48,24 +53,33 @@ class Account:
         self.ttfb_ms: int | None = None
         self.retries = 0
         self.usage: UsageReader | None = None
+        self.trace: RequestTrace | None = None
+        """Its spans, while telemetry is on."""
 
     def first_byte(self) -> None:
         """The upstream's answer began to reach the client."""
         if self.ttfb_ms is None:
             self.ttfb_ms = round((time.monotonic() - self.arrived) * 1000)
 
-    def row(self) -> LedgerRow:
+    def row(self, prices: PriceTable | None = None) -> LedgerRow:
+        """The ledger's row; ``prices`` prices its tokens (``cost_usd``)."""
         priority = self.priority
         counts = self.usage.totals() if self.usage is not None else None
         if priority is None:
             workspace, starred, conversation = "default", False, None
         else:
             workspace, starred, conversation = priority.workspace, priority.starred, priority.conversation
-        tokens = _UNKNOWN if counts is None else counts
+        ended_at = int(time.time() * 1000)
+        tokens: tuple[int | None, ...]
+        if counts is None:
+            tokens, cost = _UNKNOWN, None
+        else:
+            tokens = counts
+            cost = None if prices is None else prices.cost(self.provider, self.model, counts, ended_at)
         return _new_row(LedgerRow, (
-            int(time.time() * 1000), self.provider, self.key, self.model, workspace, starred, conversation,
+            ended_at, self.provider, self.key, self.model, workspace, starred, conversation,
             self.transport, self.status, self.outcome, self.queue_ms, self.ttfb_ms,
-            round((time.monotonic() - self.arrived) * 1000), *tokens, self.retries))
+            round((time.monotonic() - self.arrived) * 1000), *tokens, self.retries, cost))
 
 
 class BodyTail:

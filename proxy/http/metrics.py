@@ -76,6 +76,8 @@ class _Histogram:
 
 _TOKEN_KINDS = tuple(column.removesuffix("_tokens") for column in TOKEN_COLUMNS)
 """The ``type`` label of ``slotproxy_tokens_total``: the ledger's token columns, in their order."""
+_COST_AT = len(_TOKEN_KINDS)
+"""Where a (provider, key, model)'s cost in dollars is kept, after its token totals."""
 _GC_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, float("inf"))
 
 
@@ -90,6 +92,8 @@ _REQUESTS = _Family("slotproxy_requests", "Requests answered, by the status the 
 _WAITS = _Family("slotproxy_queue_wait_seconds", "Time requests waited for a slot", ("provider",))
 _TOKENS = _Family("slotproxy_tokens", "Tokens the answers stated, by type (input includes cached input; output "
                   "includes reasoning)", ("provider", "key", "model", "type"))
+_COST = _Family("slotproxy_cost_usd", "What the answers cost in US dollars, their tokens priced (see prices)",
+                ("provider", "key", "model"))
 _GC_PAUSES = _Family("slotproxy_gc_pause_seconds", "Event-loop stops for garbage collection, by generation",
                      ("generation",))
 _RECLAIMS = _Family("slotproxy_watchdog_reclaims", "Slots reclaimed after slot_timeout", ("provider",))
@@ -140,11 +144,15 @@ class _PerRequestCollector(Collector):
             waits.add_metric([provider], histogram.buckets(), histogram.total)
         yield waits
         tokens = CounterMetricFamily(_TOKENS.name, _TOKENS.help, labels=_TOKENS.labels)
+        cost = CounterMetricFamily(_COST.name, _COST.help, labels=_COST.labels)
         for (provider, key, model), totals in list(self._metrics.tokens.items()):
-            for kind, count in zip(_TOKEN_KINDS, totals):
-                if count:
-                    tokens.add_metric([provider, key, model, kind], count)
+            for kind, tokens_of_kind in zip(_TOKEN_KINDS, totals):
+                if tokens_of_kind:
+                    tokens.add_metric([provider, key, model, kind], tokens_of_kind)
+            if totals[_COST_AT]:
+                cost.add_metric([provider, key, model], totals[_COST_AT])
         yield tokens
+        yield cost
 
 
 class _SnapshotCollector(Collector):
@@ -368,9 +376,13 @@ class Metrics:
             "slotproxy_ledger_dropped", "Ledger rows that could not be written (the requests were served)",
             registry=self.registry,
         )
-        self.tokens: dict[tuple[str, str, str], list[int]] = {}
+        self.telemetry_dropped = Counter(
+            "slotproxy_telemetry_dropped", "Spans the OTLP collector never got (the requests were served)",
+            registry=self.registry,
+        )
+        self.tokens: dict[tuple[str, str, str], list[float]] = {}
         """Tokens by (provider, key, model label) as the answers stated them: one total per type, in the
-        ledger's column order (a type still at 0 is not shown)."""
+        ledger's column order (a type still at 0 is not shown), then their cost in dollars."""
         self.request_counts: dict[tuple[str, str], int] = {}
         self.waits: dict[str, _Histogram] = {}
         self.registry.register(_PerRequestCollector(self))
@@ -393,12 +405,13 @@ class Metrics:
         group = (row.provider, row.key or "", model)
         totals = self.tokens.get(group)
         if totals is None:
-            totals = self.tokens[group] = [0] * len(_TOKEN_KINDS)
+            totals = self.tokens[group] = [0] * len(_TOKEN_KINDS) + [0.0]
         totals[0] += row.input_tokens or 0
         totals[1] += row.cached_input_tokens or 0
         totals[2] += row.cache_write_tokens or 0
         totals[3] += row.output_tokens or 0
         totals[4] += row.reasoning_tokens or 0
+        totals[5] += row.cost_usd or 0.0
 
     def observe_wait(self, provider: str, seconds: float) -> None:
         histogram = self.waits.get(provider)
@@ -427,8 +440,10 @@ class Metrics:
         for provider, histogram in list(self.waits.items()):
             host.histogram(_WAITS, (provider,), histogram)
         for (provider, key, model), totals in list(self.tokens.items()):
-            for kind, count in zip(_TOKEN_KINDS, totals):
-                host.total("counter", _TOKENS, _TOKENS.name + "_total", (provider, key, model, kind), count)
+            for kind, tokens_of_kind in zip(_TOKEN_KINDS, totals):
+                host.total("counter", _TOKENS, _TOKENS.name + "_total", (provider, key, model, kind),
+                           tokens_of_kind)
+            host.total("counter", _COST, _COST.name + "_total", (provider, key, model), totals[_COST_AT])
         for generation, histogram in enumerate(_process_gc_pauses().pauses):
             host.histogram(_GC_PAUSES, (str(generation),), histogram)
         for snapshot in self._snapshot():

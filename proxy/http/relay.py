@@ -103,6 +103,10 @@ class _ClientGone(Exception):
 class _Retry(Exception):
     """A backoff answer arrived before any byte reached the client; try again after the pause."""
 
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
 
 def _route(request: web.Request, state: ProxyState, provider: str, decoded_rest: str) -> tuple[ProviderSettings, URL]:
     settings = state.provider(provider)
@@ -142,6 +146,8 @@ async def relay(request: web.Request, state: ProxyState, provider: str, rest: st
         return await relay_websocket(request, state, provider, settings, url, consumed)
     state.request_started()
     account = Account(provider)
+    if state.telemetry is not None:
+        account.trace = state.telemetry.request(request.headers, provider, settings, request.method, rest)
     priority: Priority | None = None
     try:
         check_header_bytes(request.headers, skip=state.strip_headers)
@@ -230,6 +236,9 @@ class Exchange:
         while True:
             asked_at = time.monotonic()
             lease: SlotLease | _NoSlot
+            refusal = self._over_spend(seq)
+            if refusal is not None:
+                return error_response(refusal, queue_ms=self.queue_ms)
             try:
                 if self.needs_slot:
                     client_wait = None if self.client_deadline is None else max(
@@ -245,24 +254,40 @@ class Exchange:
                             self.provider, self.priority, seq=seq, client_wait=client_wait, model=self.model,
                             cost=cost, group=self.group)
                     self.state.observe_grant(self.provider, lease)
+                    if self.account.trace is not None:
+                        self.account.trace.waited(lease.queue_wait, self.priority, lease)
                 else:
                     lease = _NoSlot()
             except (QueueFull, QueueTimeout, ShuttingDown) as exc:
                 self.queue_ms = self.account.queue_ms = int((waited + time.monotonic() - asked_at) * 1000)
+                if self.account.trace is not None:
+                    self.account.trace.waited(time.monotonic() - asked_at, self.priority, refused=exc.status)
                 return error_response(exc, queue_ms=self.queue_ms)
             waited += lease.queue_wait
             self.queue_ms = self.account.queue_ms = int(waited * 1000)
+            refusal = self._over_spend(seq)
+            if refusal is not None:  # its workspace reached its cap while it waited
+                lease.release()
+                return error_response(refusal, queue_ms=self.queue_ms)
             self.account.key = lease.key
             seq = lease.seq
             try:
                 return await self._attempt(lease, retry_allowed=retries_left > 0)
-            except _Retry:
+            except _Retry as retry:
                 retries_left -= 1
                 self.account.retries += 1
+                if self.account.trace is not None:
+                    self.account.trace.retried(retry.status, self.model)
             finally:
                 if self.windowing is not None:
                     self._settle(lease)
                 lease.release()
+
+    def _over_spend(self, seq: int | None) -> ProxyError | None:
+        """A new request (not a retry) of a workspace whose spend today reached its cap is refused."""
+        if seq is not None or not self.needs_slot:
+            return None
+        return self.state.spend_refusal(self.priority.workspace, self.settings)
 
     def _settle(self, lease: SlotLease | _NoSlot) -> None:
         """Reconcile the windows this attempt took from with the usage its answer reported."""
@@ -284,6 +309,8 @@ class Exchange:
             strip = self.state.strip_headers | self.consumed if self.consumed else self.state.strip_headers
             headers = forward_request_headers(self.request.headers, strip=strip,
                                               auth=self.state.upstreams.auth(self.settings, lease.key))
+            if self.account.trace is not None:
+                headers["traceparent"] = self.account.trace.sending(self.model, lease.key)
             data = None if (not self.body and self.request.method in _NO_BODY_METHODS) else self.body
             async with session.request(
                 self.request.method,
@@ -367,14 +394,14 @@ class Exchange:
         if self.windowing is not None and backoff is not None and upstream.status == 429:
             retry = self._window_hit(upstream, lease, readable, backoff, retry_allowed)
             if retry:
-                raise _Retry
+                raise _Retry(upstream.status)
             if retry is not None:
                 backoff = None
         if backoff is not None:
             self._report(backoff, lease, reduce=not window_spent)
             if retry_allowed:
                 log.debug("provider=%s retrying after a %s (the client has seen nothing yet)", self.provider, backoff.cause)
-                raise _Retry
+                raise _Retry(upstream.status)
         if upstream.status == 429:
             self.state.backend.backoffs.relayed(self.provider)
         if not complete:

@@ -24,12 +24,18 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
+from ..aio import cancel_and_wait
 from ..backends import Backend, MemoryBackend
 from ..config import Config, ProviderSettings, beside_config
 from ..config.model import Backend as BackendSettings
-from ..ledger.store import Ledger
+from ..errors import SpendLimitReached
+from ..ledger.prices import DAY_MS, PriceTable, warm_up
+from ..ledger.spend import DailySpend, SpendUnread, spend_query
+from ..ledger.store import Ledger, LedgerWriteError
 from ..limiter import KeySettings, LimiterSettings, ModelCap, SlotLease, policy
+from ..logs import ThrottledLog
 from ..providers.concurrency_gate import GatePollers
+from ..telemetry import start as start_telemetry
 from .access import ClientKeys
 from .accounting import Account
 from .connections import ConnectionGuard, ConnectionSettings
@@ -43,10 +49,14 @@ from .windows import Windowing
 
 if TYPE_CHECKING:
     from ..backends.redis import RedisTarget
+    from ..telemetry.sdk import Telemetry
 
 __all__ = ["OpenSocket", "OpenSockets", "ProxyState", "limiter_settings", "make_backend", "redis_target"]
 
 log = logging.getLogger("slotproxy")
+
+_SPEND_READ_EVERY = 1.0
+"""Seconds between reads of the day's spend (the fleet's, or the host's workers')."""
 
 
 def limiter_settings(settings: ProviderSettings, environ: Mapping[str, str] | None = None, *,
@@ -127,6 +137,9 @@ class ProxyState:
         self.open_sockets = OpenSockets()
         self.metrics = Metrics(lambda: self.backend.statistics(queue_detail=False), self.backend.backend_status,
                                self.open_sockets.count, worker=worker)
+        self.telemetry: Telemetry | None = start_telemetry(config.telemetry, os.environ,
+                                                           self.metrics.telemetry_dropped.inc)
+        """Traces and GenAI metrics, when an OTLP endpoint is configured (a change needs a restart)."""
         self.upstreams = Upstreams()
         self.idle_watch = IdleWatch()
         """The idle_timeout deadlines of the upstream exchanges in flight."""
@@ -138,6 +151,13 @@ class ProxyState:
         ledger_path = beside_config(config.ledger.path, config_path)
         self.ledger = Ledger(ledger_path, config.ledger.retention, on_dropped=self.metrics.ledger_dropped.inc)
         self.pollers = GatePollers()
+        self.prices = PriceTable()
+        self.spend = DailySpend()
+        """Each workspace's spend today against its cap (``workspaces.spend_per_day_usd``)."""
+        self._spend_task: asyncio.Task[None] | None = None
+        self._spend_unread = ThrottledLog(log, logging.WARNING, "the day's spend could not be read (%s); the "
+                                          "spend caps count what was read last and this replica's own requests",
+                                          interval=60.0)
         self._windowing: dict[str, Windowing] = {}
         self.listen_host = config.server.host
         self.connections = ConnectionGuard()
@@ -186,6 +206,9 @@ class ProxyState:
             self.stars.effective(config.workspaces.starred),
         )
         self._providers = providers
+        self.prices.configure(config.prices, {name: (settings.upstream, settings.dialect)
+                                              for name, settings in providers.items()})
+        self.spend.configure(config.workspaces.spend_per_day_usd)
         self._windowing = self._windowings(providers)
         self._model_patterns = {name: tuple(settings.models) for name, settings in providers.items()
                                 if settings.models}
@@ -256,25 +279,70 @@ class ProxyState:
             )
 
     async def start(self) -> None:
-        """Connect the backend (Redis) and open the ledger before the first request is served."""
+        """Connect the backend (Redis) and open the ledger before the first request is served; with spend
+        caps, read the day's spend so far before too (a restart does not start the day again)."""
+        warm_up()
         await self.backend.start()
         await self.ledger.start()
+        if self.telemetry is not None:
+            self.telemetry.start(lambda: self.backend.statistics(queue_detail=False))
+        await self.read_spend()
+        self._spend_task = asyncio.get_running_loop().create_task(self._read_spend_every(_SPEND_READ_EVERY))
+
+    async def read_spend(self) -> None:
+        """The day's spend per workspace, from the fleet's totals (Redis) or the ledger; kept as it was when
+        neither can be read."""
+        spend = self.spend
+        if not spend.caps:
+            return
+        taken = spend.read_started()
+        day = spend.day
+        try:
+            totals = await self.backend.fleet_spend(day * DAY_MS)
+            if totals is None and not self.ledger.enabled:  # only what this process counted
+                spend.read_failed(taken, day)
+                return
+            if totals is None:
+                totals = dict(await self.ledger.read(*spend_query(day * DAY_MS)))
+        except (LedgerWriteError, SpendUnread) as exc:
+            spend.read_failed(taken, day)
+            self._spend_unread.event(str(exc))
+            return
+        spend.read_done(totals, day)
+
+    async def _read_spend_every(self, seconds: float) -> None:
+        """Other replicas' (or workers') spend, read again and again: a cap holds for the whole fleet."""
+        while True:
+            await asyncio.sleep(seconds)
+            await self.read_spend()
 
     async def close(self) -> None:
+        await cancel_and_wait(self._spend_task)
         await self.pollers.close()
         await self.upstreams.close()
         await self.ledger.close()
         await self.backend.close()
+        if self.telemetry is not None:
+            await self.telemetry.close()
 
     def account(self, account: Account) -> None:
-        """A request ended: its ledger row, the fleet's aggregates, the token counters."""
-        row = account.row()
+        """A request ended: its ledger row, the fleet's aggregates, the token counters, its spans."""
+        trace = account.trace
+        if trace is not None:
+            trace.end(account)
+        row = account.row(self.prices)
         self.ledger.record(row)
         self.backend.record_usage(row)
         if row.input_tokens is not None:
             patterns = self._model_patterns.get(row.provider)
             model = policy.model_pattern(row.model, patterns) if patterns else None
             self.metrics.count_tokens(row, model or "other")
+            if row.cost_usd is not None:
+                self.spend.add(row.workspace, row.cost_usd, row.ended_at)
+
+    def spend_refusal(self, workspace: str, settings: ProviderSettings) -> SpendLimitReached | None:
+        """The refusal of a new request of ``workspace`` whose spend today reached its cap, else None."""
+        return self.spend.refusal(workspace, settings.name, settings.dialect) if self.spend.caps else None
 
 
 def redis_target(backend: BackendSettings, environ: Mapping[str, str] | None = None) -> RedisTarget:

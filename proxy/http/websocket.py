@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from ..providers.tokens import UsageReader
 from . import upstream_errors
 from .accounting import Account
 from .answers import ALLOWED_ORIGIN, Answer
+from .frames import TERMINAL, event_type, is_create, parsed_frame
 from .headers import (
     body_turn_started_at,
     forward_request_headers,
@@ -60,6 +60,7 @@ from .windows import EndedResponses, parsed_request
 
 if TYPE_CHECKING:
     from ..config import ProviderSettings
+    from ..telemetry.spans import SocketTrace
 
 __all__ = ["relay_websocket", "wants_websocket"]
 
@@ -70,11 +71,7 @@ _HANDSHAKE_HEADERS = frozenset({
     "sec-websocket-accept",
 })
 """Written by the client side of aiohttp for the upstream handshake: the client's own are not passed on."""
-_TERMINAL = frozenset({b"response.completed", b"response.failed", b"response.incomplete", b"error"})
-_TYPE_AT_START = re.compile(rb'\s*\{\s*"type"\s*:\s*"([a-z_.]{1,64})"')
-_CREATE = b"response.create"
 _OUTPUT_EVENT = b'{"type":"response.output_'
-"""The ended responses of a socket whose usage a continuation (``previous_response_id``) is charged from."""
 """The opening of most of a response's events (its text, items and parts), none of them its end."""
 _UNSENDABLE_CLOSE_CODES = frozenset({1005, 1006, 1015})
 _CLOSE_WAIT = 5.0
@@ -101,6 +98,8 @@ async def relay_websocket(request: web.Request, state: ProxyState, provider: str
     except ProxyError as exc:
         response = error_response(exc)
     if not isinstance(response, web.WebSocketResponse):
+        if relay.trace is not None:
+            relay.trace.end(response.status)
         state.metrics.count_request(provider, str(response.status))
         refused = Account(provider, "websocket")
         refused.priority, refused.status = relay.priority, response.status
@@ -124,8 +123,8 @@ class SocketRelay:
     """One client socket and its upstream socket."""
 
     __slots__ = ("client", "closing_after_responses", "consumed", "ended", "in_flight", "key", "priority",
-                 "prompt_from_handshake", "provider", "request", "settings", "state", "upstream", "upstream_pump",
-                 "url", "watch", "windowing")
+                 "prompt_from_handshake", "provider", "request", "settings", "state", "trace", "upstream",
+                 "upstream_pump", "url", "watch", "windowing")
 
     def __init__(self, request: web.Request, state: ProxyState, provider: str, settings: ProviderSettings,
                  url: URL, consumed: frozenset[str]) -> None:
@@ -152,6 +151,8 @@ class SocketRelay:
         self.windowing = state.windowing(provider)
         self.ended = EndedResponses()
         """With token windows: the input and output tokens each recent response reported, by its id."""
+        self.trace: SocketTrace | None = None if state.telemetry is None else \
+            state.telemetry.socket(request.headers, provider, settings, request.path)
 
     def _handshake_names_prompt(self) -> bool:
         """Whether the handshake itself said when the prompt began (else each response is aged from its own
@@ -210,8 +211,11 @@ class SocketRelay:
 
     def _upstream_headers(self) -> CIMultiDict[str]:
         strip = self.state.strip_headers | self.consumed | _HANDSHAKE_HEADERS
-        return forward_request_headers(self.request.headers, strip=strip,
-                                       auth=self.state.upstreams.auth(self.settings, self.key))
+        headers = forward_request_headers(self.request.headers, strip=strip,
+                                          auth=self.state.upstreams.auth(self.settings, self.key))
+        if self.trace is not None:
+            headers["traceparent"] = self.trace.traceparent
+        return headers
 
     def _refused(self, exc: aiohttp.WSServerHandshakeError, body: bytes,
                  sent_at: float) -> web.StreamResponse | _Retry:
@@ -274,6 +278,8 @@ class SocketRelay:
             self._end_all(_CLIENT_GONE if not upstream.closed else _UPSTREAM_FAILED,
                           "client_gone" if not upstream.closed else "upstream_error")
             self.state.open_sockets.closed(self)
+            if self.trace is not None:
+                self.trace.end(101)
             await _quietly(upstream.close(code=_sendable(client.close_code, WSCloseCode.GOING_AWAY)))
             await _quietly(client.close(code=_sendable(upstream.close_code, WSCloseCode.GOING_AWAY)))
             await asyncio.gather(pump, return_exceptions=True)
@@ -286,7 +292,7 @@ class SocketRelay:
             kind = message.type
             if kind is WSMsgType.TEXT:
                 data: bytes = message.data
-                if _is_create(data) and not await self._take_slot(client, data):
+                if is_create(data) and not await self._take_slot(client, data):
                     continue
                 await upstream.send_frame(data, WSMsgType.TEXT)
             elif kind is WSMsgType.BINARY:
@@ -317,6 +323,10 @@ class SocketRelay:
             await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0),
                                account)
             return False
+        refusal = self.state.spend_refusal(priority.workspace, self.settings)
+        if refusal is not None:
+            await self._refuse(client, refusal, account)
+            return False
         self.state.request_started()
         asked_at = time.monotonic()
         try:
@@ -325,6 +335,8 @@ class SocketRelay:
         except (QueueFull, QueueTimeout, ShuttingDown) as exc:
             self.state.request_finished()
             account.queue_ms = round((time.monotonic() - asked_at) * 1000)
+            if self.trace is not None:
+                self.trace.response().waited(time.monotonic() - asked_at, priority, refused=exc.status)
             await self._refuse(client, exc, account)
             return False
         except BaseException:
@@ -332,6 +344,16 @@ class SocketRelay:
             raise
         self.state.observe_grant(self.provider, lease)
         account.queue_ms, account.key = round(lease.queue_wait * 1000), lease.key
+        refusal = self.state.spend_refusal(priority.workspace, self.settings)
+        if refusal is not None:  # its workspace reached its cap while it waited
+            lease.release()
+            self.state.request_finished()
+            await self._refuse(client, refusal, account)
+            return False
+        if self.trace is not None:
+            account.trace = trace = self.trace.response()
+            trace.waited(lease.queue_wait, priority, lease)
+            trace.sending(account.model, lease.key)
         self._start(_Response(lease, account, estimate, group))
         return True
 
@@ -432,8 +454,8 @@ class SocketRelay:
             account.first_byte()
         if data.startswith(_OUTPUT_EVENT):
             return
-        kind = _event_type(data)
-        if kind is None or kind not in _TERMINAL:
+        kind = event_type(data)
+        if kind is None or kind not in TERMINAL:
             return
         usage = account.usage = UsageReader()
         status = _COMPLETED
@@ -442,7 +464,7 @@ class SocketRelay:
             if self.windowing is not None:
                 self.ended.remember(data, usage)
         else:
-            document = _parsed(data)
+            document = parsed_frame(data)
             if document is not None:
                 response = document.get("response")
                 usage.add(response.get("usage") if isinstance(response, dict) else None)
@@ -523,37 +545,6 @@ class _Retry:
     answer: web.StreamResponse
     backoff: Backoff
     pause: float
-
-
-def _is_create(frame: bytes) -> bool:
-    if _CREATE not in frame[:256]:
-        return False
-    kind = _event_type(frame)
-    return kind == _CREATE
-
-
-def _event_type(frame: bytes) -> bytes | None:
-    """An event's ``type``, read from the frame's opening where every provider writes it; a frame that puts
-    it elsewhere is parsed only when it names a type the relay acts on."""
-    match = _TYPE_AT_START.match(frame)
-    if match is not None:
-        return match.group(1)
-    if not any(name in frame for name in (*_TERMINAL, _CREATE)):
-        return None
-    try:
-        document = json.loads(frame)
-    except (ValueError, RecursionError):
-        return None
-    kind = document.get("type") if isinstance(document, dict) else None
-    return kind.encode() if isinstance(kind, str) else None
-
-
-def _parsed(frame: bytes) -> dict[str, Any] | None:
-    try:
-        document = json.loads(frame)
-    except (ValueError, RecursionError):
-        return None
-    return document if isinstance(document, dict) else None
 
 
 def _protocols(headers: Mapping[str, str]) -> tuple[str, ...]:

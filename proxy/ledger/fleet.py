@@ -8,6 +8,10 @@ left out (they stay in each replica's own ledger). A queue wait's median is
 read from a histogram, so in fleet scope ``queue_ms_p50`` is the upper bound
 of the bucket that holds the median.
 
+Costs are kept as integer nano-dollars (``cost_nusd``), so they add exactly in
+Redis; each provider's day also keeps a hash of its spend per workspace
+(``{prefix:provider}:spend:<day ms>``), read for the daily spend caps.
+
 Pure: rows go in, ``(redis key, script arguments)`` come out, and the hashes
 read back become the answer's rows; the backend does the I/O.
 """
@@ -18,15 +22,19 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .prices import DAY_MS
 from .report import HOUR_MS, UsageQuery, answer
 from .store import TOKEN_COLUMNS, LedgerRow
 
-__all__ = ["QUEUE_BUCKETS_MS", "FleetUsage", "usage_key"]
+__all__ = ["NANO", "QUEUE_BUCKETS_MS", "FleetUsage", "spend_key", "usage_key"]
+
+NANO = 1_000_000_000
+"""Nano-dollars in a dollar: the unit costs are added up in, in Redis."""
 
 QUEUE_BUCKETS_MS = (0, 10, 100, 1_000, 5_000, 30_000, 120_000, 600_000)
 """Upper bounds of the queue-wait histogram (a last bucket holds the longer waits)."""
 _SEP = "\x1f"
-_COUNTS = ("requests", "errors", *TOKEN_COLUMNS, "unknown_usage")
+_COUNTS = ("requests", "errors", *TOKEN_COLUMNS, "unknown_usage", "cost_nusd", "unpriced")
 _MAX_QUEUE = "max:queue_ms"
 _MAX_HOURS = 24 * 400
 
@@ -36,13 +44,19 @@ def usage_key(prefix: str, provider: str, hour_ms: int) -> str:
     return f"{{{prefix}:{provider}}}:usage:{hour_ms}"
 
 
+def spend_key(prefix: str, provider: str, day_ms: int) -> str:
+    """One provider's spend per workspace on one UTC day (its start, epoch ms), in nano-dollars."""
+    return f"{{{prefix}:{provider}}}:spend:{day_ms}"
+
+
 class FleetUsage:
-    """What this replica has added since its last write, by provider and hour."""
+    """What this replica has added since its last write, by provider and hour (and its spend, by day)."""
 
     def __init__(self, prefix: str, retention: float) -> None:
         self.prefix = prefix
         self.retention_ms = int(retention * 1000)
         self._pending: dict[tuple[str, int], dict[str, int]] = {}
+        self._spent: dict[tuple[str, int], dict[str, int]] = {}
 
     def add(self, row: LedgerRow) -> None:
         hour = row.ended_at // HOUR_MS * HOUR_MS
@@ -61,6 +75,17 @@ class FleetUsage:
                 value = getattr(row, name)
                 if value:
                     fields[name + _SEP + group] += value
+            cost = row.cost_usd
+            if cost is None:
+                fields["unpriced" + _SEP + group] += 1
+            elif cost > 0:
+                nano = round(cost * NANO)
+                fields["cost_nusd" + _SEP + group] += nano
+                day = row.ended_at // DAY_MS * DAY_MS
+                spent = self._spent.get((row.provider, day))
+                if spent is None:
+                    spent = self._spent[(row.provider, day)] = defaultdict(int)
+                spent[row.workspace] += nano
         fields[f"q{_bucket(row.queue_ms)}{_SEP}{group}"] += 1
         queue_max = _MAX_QUEUE + _SEP + group
         fields[queue_max] = max(fields.get(queue_max, 0), row.queue_ms)
@@ -74,7 +99,22 @@ class FleetUsage:
             for name, amount in fields.items():
                 args += [name, amount]
             writes.append((usage_key(self.prefix, provider, hour), args))
+        spent, self._spent = self._spent, {}
+        for (provider, day), workspaces in spent.items():
+            args = [day + 2 * DAY_MS]
+            for workspace, nano in workspaces.items():
+                args += [workspace, nano]
+            writes.append((spend_key(self.prefix, provider, day), args))
         return writes
+
+    @staticmethod
+    def day_spend(hashes: Iterable[Mapping[str, str]]) -> dict[str, float]:
+        """The day's spend per workspace in dollars, from each provider's day hash."""
+        totals: dict[str, int] = defaultdict(int)
+        for fields in hashes:
+            for workspace, nano in fields.items():
+                totals[workspace] += int(nano)
+        return {workspace: nano / NANO for workspace, nano in totals.items()}
 
     def keys(self, query: UsageQuery, providers: Iterable[str]) -> list[tuple[str, str, int]]:
         """The hashes a query reads: (key, provider, hour) for each provider and hour it spans."""
@@ -107,7 +147,7 @@ class FleetUsage:
         for group, totals in groups.items():
             totals_rows.append((*group, totals["requests"], totals["errors"],
                                 *(totals[name] for name in TOKEN_COLUMNS), totals["unknown_usage"],
-                                totals[_MAX_QUEUE]))
+                                totals[_MAX_QUEUE], totals["cost_nusd"] / NANO, totals["unpriced"]))
             medians.append((*group, _median(totals)))
         return answer(query, totals_rows, medians, "fleet")
 

@@ -33,6 +33,8 @@ _MAX_EPOCH_MS = 1 << 47
 _KNOWN = frozenset({"since", "until", "by", *FILTERS})
 _ERROR = "(status >= 400 OR outcome != 'ok')"
 _UNKNOWN = "(outcome = 'ok' AND status BETWEEN 200 AND 299 AND input_tokens IS NULL)"
+_UNPRICED = "(input_tokens IS NOT NULL AND cost_usd IS NULL)"
+"""A request whose usage was read but whose model has no known price."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,12 +113,14 @@ def _selected(by: Sequence[str]) -> list[str]:
 
 
 def totals_sql(query: UsageQuery) -> tuple[str, list[Any]]:
-    """Per group: requests, errors, the token sums, unknown usage and the longest queue wait."""
+    """Per group: requests, errors, the token sums, unknown usage, the longest queue wait, the cost and the
+    requests left unpriced."""
     where, parameters = _where(query)
     groups = _selected(query.by)
     sums = ", ".join(f"COALESCE(SUM({name}), 0)" for name in TOKEN_COLUMNS)
     sql = (f"SELECT {', '.join(groups)}, COUNT(*), SUM(CASE WHEN {_ERROR} THEN 1 ELSE 0 END), {sums}, "
-           f"SUM(CASE WHEN {_UNKNOWN} THEN 1 ELSE 0 END), MAX(queue_ms) FROM requests WHERE {where} "
+           f"SUM(CASE WHEN {_UNKNOWN} THEN 1 ELSE 0 END), MAX(queue_ms), COALESCE(SUM(cost_usd), 0), "
+           f"SUM(CASE WHEN {_UNPRICED} THEN 1 ELSE 0 END) FROM requests WHERE {where} "
            f"GROUP BY {', '.join(groups)}")
     return sql, parameters
 
@@ -142,36 +146,37 @@ def answer(query: UsageQuery, totals: Iterable[Sequence[Any]], medians: Iterable
     rows = []
     for row in totals:
         group = tuple(row[:width])
-        requests, errors, *tokens, unknown, queue_max = row[width:]
+        requests, errors, *tokens, unknown, queue_max, cost, unpriced = row[width:]
         entry: dict[str, Any] = dict(zip(query.by, group, strict=True))
         entry.update({"requests": requests, "errors": errors or 0})
         entry.update(zip(TOKEN_COLUMNS, (int(value or 0) for value in tokens), strict=True))
         entry.update({"unknown_usage": unknown or 0, "queue_ms_p50": median.get(group, 0) or 0,
-                      "queue_ms_max": queue_max or 0})
+                      "queue_ms_max": queue_max or 0, "cost_usd": round(cost or 0.0, 6), "unpriced": unpriced or 0})
         rows.append(entry)
     rows.sort(key=lambda entry: (entry["input_tokens"] + entry["output_tokens"], entry["requests"]), reverse=True)
     return {"since": query.since, "until": query.until, "by": list(query.by), "scope": scope, "rows": rows}
 
 
 _COUNTED = ("requests", "errors", "input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens",
-            "reasoning_tokens", "unknown_usage")
-_HEAD = ("REQUESTS", "ERRORS", "INPUT", "CACHED", "CACHE WRITE", "OUTPUT", "REASONING", "UNKNOWN", "QUEUE P50",
-         "QUEUE MAX")
+            "reasoning_tokens", "unknown_usage", "unpriced")
+_HEAD = ("REQUESTS", "ERRORS", "INPUT", "CACHED", "CACHE WRITE", "OUTPUT", "REASONING", "UNKNOWN", "UNPRICED",
+         "COST", "QUEUE P50", "QUEUE MAX")
 
 
 def format_usage(document: Mapping[str, Any]) -> str:
-    """The answer as a table (``slotproxy usage``): the groups, then requests, errors, tokens and waits, and a
-    line of totals (the median wait of all the rows is not theirs to add up: it is left blank)."""
+    """The answer as a table (``slotproxy usage``): the groups, then requests, errors, tokens, cost and waits,
+    and a line of totals (the median wait of all the rows is not theirs to add up: it is left blank)."""
     by = [str(name) for name in document.get("by", [])]
     rows = document.get("rows", [])
     head = [name.upper() for name in by] + list(_HEAD)
     body = [[_cell(row.get(name), name) for name in by] + [str(row.get(name, 0)) for name in _COUNTED]
-            + [f"{row.get('queue_ms_p50', 0)} ms", f"{row.get('queue_ms_max', 0)} ms"]
+            + [_dollars(row.get("cost_usd")), f"{row.get('queue_ms_p50', 0)} ms", f"{row.get('queue_ms_max', 0)} ms"]
             for row in rows]
     if rows:
         body.append(["TOTAL"] + [""] * (len(by) - 1)
                     + [str(sum(int(row.get(name) or 0) for row in rows)) for name in _COUNTED]
-                    + ["", f"{max(int(row.get('queue_ms_max') or 0) for row in rows)} ms"])
+                    + [_dollars(sum(float(row.get("cost_usd") or 0) for row in rows)),
+                       "", f"{max(int(row.get('queue_ms_max') or 0) for row in rows)} ms"])
     widths = [max(len(line[i]) for line in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
              for line in [head, *body]]
@@ -182,6 +187,12 @@ def format_usage(document: Mapping[str, Any]) -> str:
     if document.get("ledger"):
         lines.append(f"ledger: {document['ledger']}")
     return "\n".join(lines)
+
+
+def _dollars(value: object) -> str:
+    """``$12.34``; below a cent, to the millionth: ``$0.004125``."""
+    amount = float(value) if isinstance(value, (int, float)) else 0.0
+    return f"${amount:,.2f}" if amount >= 0.01 or amount == 0 else f"${amount:.6f}"
 
 
 def _cell(value: object, name: str) -> str:

@@ -71,6 +71,8 @@ class LedgerRow(NamedTuple):
     output_tokens: int | None = None
     reasoning_tokens: int | None = None
     retries: int = 0
+    cost_usd: float | None = None
+    """Its tokens priced (``proxy.ledger.prices``); None when the tokens or the model's price are unknown."""
 
 
 class Ledger:
@@ -135,14 +137,18 @@ class Ledger:
 
     async def query(self, sql: str, parameters: Sequence[Any]) -> list[tuple[Any, ...]]:
         """Run a read in the writer (after what is pending is written); nothing when it cannot be read."""
-        if not self._started:
-            return []
-        await self._flush()
         try:
-            rows: list[tuple[Any, ...]] = await self._ask(("read", sql, list(parameters)))
+            return await self.read(sql, parameters)
         except LedgerWriteError as exc:
             log.warning("the ledger at %s could not be read (%s)", self.path, exc)
             return []
+
+    async def read(self, sql: str, parameters: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """``query``, but a ledger that cannot be read (or is off) raises ``LedgerWriteError``."""
+        if not self._started:
+            raise LedgerWriteError("the ledger is not open" if self.path is not None else "the ledger is off")
+        await self._flush()
+        rows: list[tuple[Any, ...]] = await self._ask(("read", sql, list(parameters)))
         return rows
 
     async def _flush(self) -> None:

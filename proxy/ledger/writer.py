@@ -30,20 +30,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
-__all__ = ["COLUMNS", "HEADER", "INSERT", "SCHEMA", "TOKEN_COLUMNS", "Writer", "create", "main", "payload_size",
+__all__ = ["ADDED_COLUMNS", "COLUMNS", "HEADER", "INSERT", "SCHEMA", "TOKEN_COLUMNS", "Writer", "create", "main", "payload_size",
            "read_frame", "words", "write_frame"]
 
 TOKEN_COLUMNS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
 COLUMNS = ("ended_at", "provider", "key", "model", "workspace", "starred", "conversation", "transport", "status",
-           "outcome", "queue_ms", "ttfb_ms", "duration_ms", *TOKEN_COLUMNS, "retries")
+           "outcome", "queue_ms", "ttfb_ms", "duration_ms", *TOKEN_COLUMNS, "retries", "cost_usd")
 SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS requests (
     ended_at INTEGER NOT NULL, provider TEXT NOT NULL, key TEXT, model TEXT, workspace TEXT NOT NULL,
     starred INTEGER NOT NULL, conversation TEXT, transport TEXT NOT NULL, status INTEGER NOT NULL,
     outcome TEXT NOT NULL, queue_ms INTEGER NOT NULL, ttfb_ms INTEGER, duration_ms INTEGER NOT NULL,
-    {", ".join(f"{name} INTEGER" for name in TOKEN_COLUMNS)}, retries INTEGER NOT NULL);
+    {", ".join(f"{name} INTEGER" for name in TOKEN_COLUMNS)}, retries INTEGER NOT NULL, cost_usd REAL);
 CREATE INDEX IF NOT EXISTS requests_ended_at ON requests (ended_at);
 """
+ADDED_COLUMNS = (("cost_usd", "REAL"),)
+"""Columns a newer version added, with their type: a ledger written by an older one gains them when opened
+(its rows have them null)."""
 INSERT = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 _ROWS_PER_INSERT = 50
 """Rows one INSERT statement carries: a second's batch is a few dozen statements, not thousands."""
@@ -106,11 +109,26 @@ class Writer:
                 connection.execute("PRAGMA journal_mode=WAL")
                 connection.execute("PRAGMA synchronous=NORMAL")
                 connection.executescript(SCHEMA)
+                _add_missing_columns(connection)
             except sqlite3.Error:
                 connection.close()
                 raise
             self._connection = connection
         return self._connection
+
+
+def _add_missing_columns(connection: sqlite3.Connection) -> None:
+    """The migration of an older ledger: ALTER TABLE for each column it lacks (another worker's writer may
+    add it first: that is not a failure)."""
+    present = {row[1] for row in connection.execute("PRAGMA table_info(requests)")}
+    for name, kind in ADDED_COLUMNS:
+        if name in present:
+            continue
+        try:
+            connection.execute(f"ALTER TABLE requests ADD COLUMN {name} {kind}")
+        except sqlite3.OperationalError as exc:
+            if "duplicate column" not in str(exc):
+                raise
 
 
 def create(path: str) -> None:

@@ -117,6 +117,7 @@ class Lease:
         "granted_at",
         "group",
         "headers_at",
+        "holder",
         "key",
         "lease_lost",
         "model",
@@ -149,6 +150,8 @@ class Lease:
         self.cost: Mapping[str, float] | None = None
         self.group: str | None = None
         self.windows_settled = False
+        self.holder: str | None = None
+        """What held it in the queue (None: it did not wait)."""
         self._levels: tuple[LimitLevel, ...] = ()
         """The key and model levels it holds a slot at, beside the provider's (a reload may drop them
         from the config; the slot is still given back to them)."""

@@ -29,6 +29,7 @@ from ..errors import ProxyError, QueueFull, QueueTimeout, UnknownLimit
 from . import policy
 from .clock import Clock
 from .deadlines import Deadlines
+from .holding import holder_words, what_holds
 from .lease import AdmissionGate, Lease, LimiterSettings
 from .level import Budget, LimitLevel
 from .policy import QUEUE_LISTED, LimitKey, StickyKeys
@@ -212,6 +213,7 @@ class ProviderLimiter:
             self._deadlines.add(waiter, now + limit)
         self._dispatch()
         if waiter.queued:
+            waiter.holder = what_holds(self, waiter)
             if limit is not None and limit <= 0:
                 self._expire(waiter)
             elif self.gate is not None:
@@ -395,7 +397,7 @@ class ProviderLimiter:
                 waiter.forget_callbacks()
                 lease = self._grant(waiter.priority, waiter.seq, self._clock.time() - waiter.enqueued_at,
                                     waiter.pattern, key, waiter.cost, waiter.group)
-                lease.model, lease.starred = waiter.model, waiter.starred
+                lease.model, lease.starred, lease.holder = waiter.model, waiter.starred, holder_words(waiter)
                 if on_grant is not None:
                     on_grant(lease)
         finally:

@@ -31,7 +31,7 @@ import json
 import re
 from collections.abc import Callable
 from json.scanner import make_scanner
-from typing import Any, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, cast
 
 __all__ = ["USAGE_MARK", "TokenCounts", "UsageReader"]
 
@@ -45,6 +45,8 @@ _SCAN_ONCE: Callable[[str, int], tuple[Any, int]] = make_scanner(cast(Any, json.
 _MAX_OBJECT = 64 * 1024
 _MAX_COUNT = 1 << 53
 _new_counts = tuple.__new__
+_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,200})"')
+"""An object's ``model`` key (one inside a JSON string is escaped, and does not match)."""
 
 
 class TokenCounts(NamedTuple):
@@ -63,10 +65,14 @@ class TokenCounts(NamedTuple):
 class UsageReader:
     """The usage objects of one answer, merged: a later object's fields replace an earlier one's."""
 
-    __slots__ = ("_fields",)
+    __slots__ = ("_fields", "model")
+
+    with_model: ClassVar[bool] = False
+    """Also note the model the answer names (traces show it): read from the text a usage object was found in."""
 
     def __init__(self) -> None:
         self._fields: dict[str, Any] = {}
+        self.model: str | None = None
 
     def add(self, usage: object) -> None:
         if isinstance(usage, dict) and usage:
@@ -83,7 +89,14 @@ class UsageReader:
             usage = _object_at(text, at)
             if usage:
                 fields.update(usage)
+                if self.with_model and self.model is None:
+                    self._note_model(text)
             at = text.find(USAGE_MARK, at)
+
+    def _note_model(self, text: bytes) -> None:
+        found = _MODEL.search(text)
+        if found is not None:
+            self.model = found.group(1).decode("utf-8", "replace")
 
     def counts(self) -> TokenCounts | None:
         """The normalised counts, or None when the answer stated none."""

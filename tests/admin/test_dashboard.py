@@ -963,7 +963,7 @@ async def test_usage_panel_draws_tokens_by_workspace_and_the_top_conversations(
     start_upstream, start_proxy, client, page, shot
 ) -> None:
     upstream = await start_upstream()
-    proxy = await start_proxy(provider_yaml(upstream, limit=4))
+    proxy = await start_proxy(provider_yaml(upstream, limit=4) + "prices: {m: {input: 1, output: 2}}\n")
     await open_dashboard(page, proxy, FAST_USAGE)
     panel = page.locator('[data-field="usage"]')
     await expect(panel).to_have_attribute("data-state", "empty")
@@ -1006,9 +1006,10 @@ async def test_usage_panel_draws_tokens_by_workspace_and_the_top_conversations(
     assert rows["alpha"]["data"] == [86_000, 20_000, 5_000, 4, 0]
     assert rows["beta"]["data"] == [10_000, 0, 9_500, 3, 1]
     assert rows["gamma"]["data"] == [1_155, 0, 11, 11, 0]
-    assert rows["alpha"]["numbers"] == ["86 k in (20 k cached)", "5 k out", "4 requests", "1 error"]
-    assert rows["beta"]["numbers"] == ["10 k in", "9.5 k out", "3 requests", "unknown usage: 1 request"]
-    assert rows["gamma"]["numbers"] == ["1.2 k in", "11 out", "11 requests"]
+    # Dollars beside tokens (m costs $1 a million input tokens, $2 a million output tokens).
+    assert rows["alpha"]["numbers"] == ["86 k in (20 k cached)", "5 k out", "$0.10", "4 requests", "1 error"]
+    assert rows["beta"]["numbers"] == ["10 k in", "9.5 k out", "$0.03", "3 requests", "unknown usage: 1 request"]
+    assert rows["gamma"]["numbers"] == ["1.2 k in", "11 out", "$0.0012", "11 requests"]
 
     # Bar lengths: proportional to input + output, the largest filling the track.
     track = rows["alpha"]["track"]
@@ -1261,3 +1262,23 @@ async def test_a_window_shows_its_ratio_estimate_errors_and_where_its_limit_came
     await expect(row.locator('[data-field="window-error"]')).to_have_text("estimates off by −4% (p50) +12% (p90)")
     await expect(row.locator('[data-field="window-source"]')).to_have_text(
         "limit: the smaller of the config's and the headers'")
+
+
+async def test_spend_panel_shows_each_capped_workspace_s_dollars_today_and_its_refusal(
+    start_upstream, start_proxy, client, page, shot
+) -> None:
+    upstream = await start_upstream()
+    proxy = await start_proxy(provider_yaml(upstream, limit=4) + "prices: {m: {input: 10000, output: 10000}}\n"
+                              "workspaces: {spend_per_day_usd: {'*': 5, web: 0.1}}\n")
+    await open_dashboard(page, proxy)
+    spend = page.locator('[data-field="spend"]')
+    await expect(spend).to_be_hidden()
+    await respond(client, proxy, "web", None, {"input": 10, "output": 1})
+    await respond(client, proxy, "docs", None, {"input": 1, "output": 1})
+    await expect(spend).to_be_visible()
+    items = spend.locator("li")
+    await expect(items).to_have_count(2)
+    await expect(items.nth(0)).to_contain_text("docs: $0.02 of $5.00")
+    await expect(items.nth(1)).to_contain_text("web: $0.11 of $0.10 — new requests refused, resets at")
+    await expect(items.nth(1)).to_have_class("refused")
+    await shot("spend")

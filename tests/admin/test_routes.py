@@ -34,7 +34,7 @@ async def test_status_shows_every_field_and_the_queue_in_admission_order(start_u
     async with client.get(f"{proxy.url}/_slotproxy/status") as resp:
         assert resp.status == 200
         body = await resp.json()
-    assert set(body) == {"providers", "backend", "config"}
+    assert set(body) == {"providers", "backend", "config", "spend"}
     assert set(body["config"]) == {"path", "loaded_at", "error", "missing_since"}
     (entry,) = body["providers"]
     assert set(entry) == PROVIDER_FIELDS

@@ -51,7 +51,7 @@ async def backend_status(proxy: Proxy) -> dict[str, Any]:
 
 
 async def test_a_primary_killed_under_load_loses_no_request_and_leaks_no_slot(start_upstream, start_proxy,
-                                                                              client) -> None:
+                                                                              client, caplog) -> None:
     """Two replicas, 40 streams through limit 3; the primary is SIGKILLed mid-run and Sentinel fails over."""
     topology = SentinelTopology.start()
     try:
@@ -87,6 +87,10 @@ async def test_a_primary_killed_under_load_loses_no_request_and_leaks_no_slot(st
             status = await backend_status(replica)
             assert (status["failovers"], status["primary"], status["healthy"]) == (1, new_primary, True)
             assert isinstance(status["last_failover_at"], int)
+        changed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("redis primary changed")]
+        assert len(changed) == 2, changed  # one line per replica
+        assert all(line.startswith(f"redis primary changed from {old_primary} to {new_primary} (failover 1)")
+                   for line in changed), changed
     finally:
         topology.stop()
 
@@ -182,6 +186,35 @@ async def test_status_names_the_primary_without_credentials(sentinel_topology) -
         assert (status["failovers"], status["last_failover_at"]) == (0, None)
     finally:
         await backend.close()
+
+
+async def test_a_failover_counts_once_when_a_connection_reaches_the_new_primary_before_the_health_check(
+        sentinel_topology, caplog) -> None:
+    """Requests reconnect through redis-py's Sentinel pool as soon as the sentinels name another primary; the
+    health check asks the sentinels only every half second, and a replica whose pool got there first was left
+    showing the dead primary with no failover counted. The primary shown is the one a connection reached, at
+    the moment it reached it, and the health check that follows counts nothing more."""
+    backend = RedisBackend(sentinel_target(sentinel_topology), key_prefix=f"fo-{os.urandom(4).hex()}", lease_ttl=2)
+    await backend.start()
+    try:
+        old = sentinel_topology.current_primary()
+        assert backend.backend_status()["primary"] == old
+        moved_to = sentinel_topology.replica.address
+        # What the pool does when a connection finds the sentinels naming another primary: connect there.
+        connection = backend._link.redis.connection_pool.make_connection()
+        await connection.connect_to(("127.0.0.1", sentinel_topology.replica.port))
+        await connection.disconnect()
+        status = backend.backend_status()
+        assert (status["primary"], status["failovers"]) == (moved_to, 1)
+        assert isinstance(status["last_failover_at"], int)
+        await asyncio.sleep(1.2)  # two health checks, each with a ping through the pool
+        status = backend.backend_status()
+        assert (status["primary"], status["failovers"], status["healthy"]) == (moved_to, 1, True)
+    finally:
+        await backend.close()
+    changed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("redis primary changed")]
+    line = f"redis primary changed from {old} to {moved_to} (failover 1): putting back 0 held slot(s) and 0 waiter(s)"
+    assert changed == [line]
 
 
 async def test_each_providers_keys_share_one_slot_and_providers_spread_over_the_nodes(cluster_topology) -> None:

@@ -240,3 +240,18 @@ def test_version_prints_the_package_version() -> None:
     result = run_cli("--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"slotproxy {__version__}"
+
+
+def test_check_says_where_prices_come_from_and_refuses_a_negative_cap(tmp_path: Path) -> None:
+    config = tmp_path / "slotproxy.yaml"
+    config.write_text("providers:\n  openai: {upstream: 'https://api.openai.com'}\n"
+                      "prices:\n  'claude-sonnet-*': {input: 3.0, output: 15.0, cache_read: 0.30, cache_write: 3.75}\n"
+                      "workspaces:\n  spend_per_day_usd: {'*': 50, web-app: 200}\n")
+    result = run_cli("check", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "# prices: 1 pattern from the config, then genai-prices " in result.stdout
+    assert "spend caps per UTC day: * $50.00, web-app $200.00" in result.stdout
+    config.write_text(config.read_text().replace("web-app: 200", "web-app: -1"))
+    result = run_cli("check", "--config", str(config))
+    assert result.returncode == 2
+    assert "workspaces.spend_per_day_usd.web-app: must be an amount of US dollars" in result.stderr

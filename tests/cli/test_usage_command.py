@@ -103,13 +103,15 @@ async def test_the_table_has_cache_writes_and_a_totals_line(start_upstream, star
 def test_the_totals_line_adds_every_count_and_keeps_the_longest_wait() -> None:
     rows = [{"workspace": "a", "requests": 2, "errors": 1, "input_tokens": 10, "cached_input_tokens": 4,
              "cache_write_tokens": 3, "output_tokens": 5, "reasoning_tokens": 1, "unknown_usage": 0,
-             "queue_ms_p50": 7, "queue_ms_max": 40},
+             "queue_ms_p50": 7, "queue_ms_max": 40, "cost_usd": 1.25, "unpriced": 0},
             {"workspace": "b", "requests": 1, "errors": 0, "input_tokens": 20, "cached_input_tokens": 0,
              "cache_write_tokens": 6, "output_tokens": 2, "reasoning_tokens": 0, "unknown_usage": 1,
-             "queue_ms_p50": 3, "queue_ms_max": 90}]
+             "queue_ms_p50": 3, "queue_ms_max": 90, "cost_usd": 0.004, "unpriced": 1}]
     table = format_usage({"by": ["workspace"], "rows": rows, "since": 0, "until": 1, "scope": "replica"})
-    total = next(line for line in table.splitlines() if line.startswith("TOTAL"))
-    assert total.split() == ["TOTAL", "3", "1", "30", "4", "9", "7", "1", "1", "90", "ms"]
+    head, first, second, total = table.splitlines()[:4]
+    assert head.split()[-6:] == ["UNKNOWN", "UNPRICED", "COST", "QUEUE", "P50", "QUEUE", "MAX"][-6:]
+    assert "$1.25" in first.split() and "$0.004000" in second.split()
+    assert total.split() == ["TOTAL", "3", "1", "30", "4", "9", "7", "1", "1", "1", "$1.25", "90", "ms"]
     empty = format_usage({"by": ["workspace"], "rows": [], "since": 0, "until": 1, "scope": "replica"})
     assert "TOTAL" not in empty and "(no requests in this span)" in empty
 

@@ -156,3 +156,27 @@ def test_a_worker_of_serve_workers_reads_the_windows_from_the_snapshot_at_the_sc
     assert list(tmp_path.glob("*.db")), "the scrape was the host's: this worker's counts went to its files"
     found = _series(result.stdout)
     assert _same(found, _expected_windows()), found
+
+
+WORKER_COSTS = """
+import sys
+from proxy.http.metrics import Metrics
+from proxy.ledger.store import LedgerRow
+row = LedgerRow(0, "openai", None, "gpt-5", "default", False, None, "http", 200, "ok", 0, 1, 2, 10, 0, 0, 1, 0, 0, 0.25)
+metrics = Metrics(lambda: [], worker=0)
+metrics.count_tokens(row, "gpt-5*")
+metrics.count_tokens(row._replace(cost_usd=0.5), "gpt-5*")
+sys.stdout.write(metrics.render().decode())
+"""
+
+
+def test_costs_are_a_counter_per_provider_key_and_model_in_one_process_and_across_workers(tmp_path: Path) -> None:
+    metrics = Metrics(list)
+    metrics.count_tokens(_row("openai", "b", (10, 0, 0, 1, 0))._replace(cost_usd=0.125), "gpt-5*")
+    metrics.count_tokens(_row("openai", "b", (10, 0, 0, 1, 0)), "gpt-5*")  # unpriced: no dollars
+    assert 'slotproxy_cost_usd_total{key="b",model="gpt-5*",provider="openai"} 0.125' in metrics.render().decode()
+    environ = {**os.environ, HOST_FILES_ENV: str(tmp_path), "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, "-c", WORKER_COSTS], cwd=REPO, env=environ, capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert 'slotproxy_cost_usd_total{key="",model="gpt-5*",provider="openai"} 0.75' in result.stdout

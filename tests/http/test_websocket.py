@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import WSMsgType, web
 
-from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
 from ..conftest import Proxy, Upstream, chat, free_port, serve_app, wait_until
 
 pytestmark = pytest.mark.asyncio
@@ -25,17 +22,6 @@ pytestmark = pytest.mark.asyncio
 TERMINAL = {"response.completed", "response.failed", "response.incomplete", "error"}
 BETA = {"OpenAI-Beta": "responses_websockets=2026-02-06"}
 NOTICE = "Concurrency limit auto-reduced to 1 after a rate_limit_exceeded — restore manually when ready."
-
-
-@pytest.fixture(params=["memory", "redis"])
-def backend_yaml(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "memory":
-        yield ""
-        return
-    require_redis()
-    prefix = f"slotproxy-test-{os.urandom(5).hex()}"
-    yield f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: {prefix}, lease_ttl: 2s}}\n"
-    delete_prefix(REDIS_URL, prefix)
 
 
 def ws_yaml(upstream: Upstream, backend: str = "", **settings: Any) -> str:

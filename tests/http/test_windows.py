@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import anthropic
 import openai
-import pytest
 
-from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
 from ..conftest import Proxy, Upstream
 
 ITPM = 30_000
@@ -26,17 +22,6 @@ HEADROOM = 0.02
 """The proxy sends a request the instant its bucket holds the cost, and the fake charges it when it arrives:
 a first request that took longer to arrive (a new connection) than a later one leaves the fake a few tokens
 short of the proxy's view, as a provider's clock may. A little headroom absorbs that skew."""
-
-
-@pytest.fixture(params=["memory", "redis"])
-def backend_yaml(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param == "memory":
-        yield ""
-        return
-    require_redis()
-    prefix = f"slotproxy-test-{os.urandom(5).hex()}"
-    yield f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: {prefix}, lease_ttl: 2s}}\n"
-    delete_prefix(REDIS_URL, prefix)
 
 
 def anthropic_yaml(upstream: Upstream, windows: str, backend: str = "", **settings: Any) -> str:

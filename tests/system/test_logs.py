@@ -13,7 +13,6 @@ import math
 import re
 import textwrap
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,6 @@ from proxy.limiter import FakeClock
 from proxy.logs import BackoffLog
 from proxy.server.run import ConfigWatcher
 
-from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
 from ..conftest import Proxy, chat, wait_until
 
 T0 = 1_700_000_000.0
@@ -211,17 +209,6 @@ async def test_a_reload_repeats_no_unchanged_warning_but_logs_a_new_one(tmp_path
 
 
 # ----- a storm through a real proxy -----------------------------------------------------------------------------
-
-
-@pytest.fixture(params=["memory", "redis"])
-def backend_yaml(request) -> Iterator[str]:
-    if request.param == "memory":
-        yield ""
-        return
-    require_redis()
-    prefix = f"slotproxy-test-{uuid.uuid4().hex[:10]}"
-    yield f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: {prefix}, lease_ttl: 2s}}\n"
-    delete_prefix(REDIS_URL, prefix)
 
 
 PAUSE = r"paused until \d\d:\d\d:\d\d \(in 0\.[12] s\)"

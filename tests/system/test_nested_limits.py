@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -16,24 +14,12 @@ from aiohttp import web
 
 from proxy.config import parse_config
 
-from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
 from ..conftest import Proxy, chat, serve_app, wait_until
 
 pytestmark = pytest.mark.asyncio
 
 KEY_A, KEY_B = "sk-pool-key-a", "sk-pool-key-b"
 LONG = {"x-fake-chunks": "8", "x-fake-delay-ms": "40"}
-
-
-@pytest.fixture(params=["memory", "redis"])
-def backend_yaml(request) -> Iterator[str]:
-    if request.param == "memory":
-        yield ""
-        return
-    require_redis()
-    prefix = f"slotproxy-test-{uuid.uuid4().hex[:10]}"
-    yield f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: {prefix}, lease_ttl: 2s}}\n"
-    delete_prefix(REDIS_URL, prefix)
 
 
 @pytest.fixture

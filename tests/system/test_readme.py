@@ -258,11 +258,16 @@ def merged(base: Any, snippet: Any) -> Any:
 @pytest.mark.parametrize("name, block", all_blocks("yaml"), ids=lambda v: v if isinstance(v, str) and
                          v.endswith(".md") else "")
 def test_every_yaml_block_is_a_config(name: str, block: str) -> None:
-    """Each YAML snippet, put into a config of two providers, passes ``parse_config``."""
+    """Each YAML snippet, put into a config of two providers, passes ``parse_config``; a Compose file (its
+    ``services``) names an image and loopback-only ports for each service."""
     from proxy.config import parse_config
 
     snippet = yaml.safe_load(block)
     assert isinstance(snippet, dict), name
+    if "services" in snippet:
+        for service in snippet["services"].values():
+            assert service["image"] and all(port.startswith("127.0.0.1:") for port in service.get("ports", []))
+        return
     parse_config(yaml.safe_dump(merged(BASE, snippet)))
 
 

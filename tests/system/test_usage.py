@@ -249,7 +249,7 @@ async def test_usage_groups_filters_and_refuses_bad_parameters(start_upstream, s
     totals = [r["input_tokens"] + r["output_tokens"] for r in doc["rows"]]
     assert totals == sorted(totals, reverse=True)
     assert set(doc["rows"][0]) == {"workspace", "requests", "errors", *TOKENS, "unknown_usage", "queue_ms_p50",
-                                   "queue_ms_max"}
+                                   "queue_ms_max", "cost_usd", "unpriced"}
     _, by_model = await usage(client, proxy, by="provider,model", since="1h")
     assert sorted((r["provider"], r["model"], r["requests"]) for r in by_model["rows"]) == [
         ("anthropic", "claude-x", 1), ("openai", "gpt-4o", 1), ("openai", "gpt-5", 2)]

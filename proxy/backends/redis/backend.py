@@ -35,11 +35,12 @@ from redis.exceptions import RedisError
 
 from ...errors import ProxyError, UnknownLimit, UnknownProvider
 from ...ledger.report import UsageQuery
+from ...ledger.spend import SpendUnread
 from ...ledger.store import LedgerRow
 from ...limiter import Budget, Clock, LimiterSettings, ProviderStatus, policy
 from ...limiter.watchdog import SlotWatchdog
 from ...logs import BackoffLog
-from .client import SCRIPTS, text
+from .client import SCRIPTS, in_words, text
 from .fleet import RedisFleetUsage
 from .link import RedisTarget, open_link
 from .status import limit_arg, status_from, unread_status
@@ -78,6 +79,7 @@ class RedisBackend(WindowKeeper):
         self.failovers = 0
         self.last_failover_at: int | None = None
         self._fleet_usage = RedisFleetUsage(self._link, self._pending, key_prefix, usage_retention)
+        self._link.watch_primary(self._primary_reached)
 
     @property
     def backoffs(self) -> BackoffLog:
@@ -97,7 +99,7 @@ class RedisBackend(WindowKeeper):
         try:
             await self._link.start()
             await self._link.ping()
-            self._primary = await self._link.primary()
+            self._primary_reached(await self._link.primary())
             await self.flush()
             await self.refresh()
         except RedisError as exc:
@@ -153,6 +155,14 @@ class RedisBackend(WindowKeeper):
         self._fleet_usage.send()
         await self.flush()
         return await self._fleet_usage.read(query, self._settings)
+
+    async def fleet_spend(self, day_start_ms: int) -> dict[str, float] | None:
+        self._fleet_usage.send()
+        try:
+            await self.flush()
+            return await self._fleet_usage.day_spend(day_start_ms, self._settings)
+        except RedisError as exc:
+            raise SpendUnread(f"the fleet's spend could not be read from redis ({in_words(exc)})") from None
 
     # ----- control ---------------------------------------------------------------
 
@@ -321,11 +331,17 @@ class RedisBackend(WindowKeeper):
                 self._mark_unhealthy(failure)
                 continue
             self._mark_healthy()
-            primary = await self._link.primary()
-            if primary is not None and primary != self._primary:
-                if self._primary is not None:
-                    self._failed_over(self._primary, primary)
-                self._primary = primary
+            self._primary_reached(self._link.reached() or await self._link.primary())
+
+    def _primary_reached(self, primary: str | None) -> None:
+        """The primary as reached now: by the health check, or by any connection the moment it reconnected
+        (a script batch's, the grant listener's, a ping's), whichever comes first. One failover, one count
+        and one line, however many of them see it."""
+        if primary is None or primary == self._primary:
+            return
+        old, self._primary = self._primary, primary
+        if old is not None and not self._closed:
+            self._failed_over(old, primary)
 
     def _failed_over(self, old: str, new: str) -> None:
         """One line per failover; what Redis may have lost with the old primary is put back by the next

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from ...ledger.fleet import FleetUsage
+from ...ledger.fleet import FleetUsage, spend_key
 from ...ledger.report import UsageQuery
 from ...ledger.store import LedgerRow
 from ...logs import ThrottledLog
@@ -45,6 +45,16 @@ class RedisFleetUsage:
         error = None if answer.cancelled() else answer.exception()
         if error is not None:
             self._lost.event(in_words(error))
+
+    async def day_spend(self, day_start_ms: int, providers: Iterable[str]) -> dict[str, float]:
+        """The fleet's spend per workspace on the UTC day starting at ``day_start_ms`` (sent up to the last
+        ``send``)."""
+        keys = [spend_key(self._sums.prefix, provider, day_start_ms) for provider in providers]
+        pipeline = self._link.redis.pipeline(transaction=False)
+        for key in keys:
+            pipeline.hgetall(key)
+        hashes = await pipeline.execute() if keys else []
+        return FleetUsage.day_spend({text(k): text(v) for k, v in fields.items()} for fields in hashes)
 
     async def read(self, query: UsageQuery, providers: Iterable[str]) -> dict[str, object]:
         """The fleet's answer to ``query``, from the hours' aggregates (written up to the last ``send``)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ssl
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,7 +16,12 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import BlockingConnectionPool
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import (
+    Sentinel,
+    SentinelConnectionPool,
+    SentinelManagedConnection,
+    SentinelManagedSSLConnection,
+)
 from redis.cluster import key_slot
 from redis.exceptions import RedisError
 
@@ -87,6 +92,15 @@ class Link(ABC):
     async def primary(self) -> str | None:
         """The address written to now (host:port), as far as this link knows."""
 
+    def reached(self) -> str | None:
+        """The primary this link's connections last reached, where it can move (Sentinel); else None."""
+        return None
+
+    def watch_primary(self, reached: Callable[[str], None]) -> None:
+        """Have ``reached`` called with the primary's address (host:port) each time one of this link's
+        connections reaches one, whichever task made it reconnect. Only Sentinel moves the primary under
+        the link's feet; the others never call it."""
+
     async def start(self) -> None:
         """Learn the topology before the first script (a Cluster's slots)."""
 
@@ -128,7 +142,33 @@ class SingleLink(Link):
 
 class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
     """The primary Sentinel names, reached through a pool whose callers wait for a free connection (at most
-    ``POOL_SIZE`` - 1), as the single server's pool does."""
+    ``POOL_SIZE`` - 1), as the single server's pool does. It keeps the primary its connections last reached:
+    the one actually served, which after a failover is known as soon as any connection (a script batch's,
+    the grant listener's, a ping's) has reconnected, and not only when the health check asks the sentinels."""
+
+    reached: str | None = None
+    on_reached: Callable[[str], None] | None = None
+
+    def connected_to(self, host: str, port: int | str) -> None:
+        self.reached = f"{host}:{port}"
+        if self.on_reached is not None:
+            self.on_reached(self.reached)
+
+
+class _ReportingConnection(SentinelManagedConnection):
+    """A connection to the primary Sentinel named that tells its pool where it got to."""
+
+    async def connect_to(self, address: tuple[str, int | str]) -> None:
+        await super().connect_to(address)
+        self.connection_pool.connected_to(*address)
+
+
+class _ReportingSSLConnection(_ReportingConnection, SentinelManagedSSLConnection):
+    pass
+
+
+def _reporting(base: type[SentinelManagedConnection]) -> type[SentinelManagedConnection]:
+    return _ReportingSSLConnection if issubclass(base, SentinelManagedSSLConnection) else _ReportingConnection
 
 
 class SentinelLink(Link):
@@ -153,12 +193,18 @@ class SentinelLink(Link):
         self._service = target.service
         self.redis = self._sentinel.master_for(target.service, connection_pool_class=_SentinelBlockingPool,
                                                max_connections=POOL_SIZE - 1, timeout=None)
-        pool = self.redis.connection_pool
-        pool.connection_class = packing_in_c(pool.connection_class)
+        self._pool: _SentinelBlockingPool = self.redis.connection_pool
+        self._pool.connection_class = packing_in_c(_reporting(self._pool.connection_class))
         self._batch = ScriptBatch(self.redis, scripts)
 
     def batch_for(self, key: str) -> ScriptBatch:
         return self._batch
+
+    def watch_primary(self, reached: Callable[[str], None]) -> None:
+        self._pool.on_reached = reached
+
+    def reached(self) -> str | None:
+        return self._pool.reached
 
     async def primary(self) -> str | None:
         try:
