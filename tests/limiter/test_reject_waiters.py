@@ -5,7 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.errors import ProxyError, SpendLimitReached
-from proxy.limiter import FakeClock, Lease, LimiterSettings, ModelCap, Priority, ProviderLimiter, WindowSettings
+from proxy.limiter import (
+    FakeClock,
+    Lease,
+    LimiterSettings,
+    ModelCap,
+    Priority,
+    ProviderLimiter,
+    WindowSettings,
+)
 from proxy.limiter.queue import ClassedQueue, Waiter
 
 T0 = 1_700_000_000.0
