@@ -116,6 +116,10 @@ class Backend(Protocol):
     def shed_queues(self, error: ProxyError) -> int:
         """Reject every waiter with ``error`` (graceful shutdown)."""
 
+    def reject_waiters(self, provider: str, workspace: str, error: ProxyError) -> int:
+        """Reject at once, with ``error``, every request of ``workspace`` this process has queued for
+        ``provider`` (its spend cap reached); they leave the shared queue too. Returns how many."""
+
     def in_flight(self) -> int: ...
 
     def ready(self) -> bool: ...

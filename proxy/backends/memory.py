@@ -209,6 +209,10 @@ class MemoryBackend:
     def shed_queues(self, error: ProxyError) -> int:
         return sum(limiter.shed(error) for limiter in [*self._limiters.values(), *self._retired.values()])
 
+    def reject_waiters(self, provider: str, workspace: str, error: ProxyError) -> int:
+        limiters = (self._limiters.get(provider), self._retired.get(provider))
+        return sum(limiter.reject_waiters(workspace, error) for limiter in limiters if limiter is not None)
+
     def in_flight(self) -> int:
         return sum(limiter.in_flight for limiter in [*self._limiters.values(), *self._retired.values()])
 

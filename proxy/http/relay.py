@@ -27,6 +27,7 @@ from ..errors import (
     QueueTimeout,
     ShuttingDown,
     SlotLost,
+    SpendLimitReached,
     UnknownProvider,
     UpstreamTimeout,
     UpstreamUnreachable,
@@ -258,7 +259,7 @@ class Exchange:
                         self.account.trace.waited(lease.queue_wait, self.priority, lease)
                 else:
                     lease = _NoSlot()
-            except (QueueFull, QueueTimeout, ShuttingDown) as exc:
+            except (QueueFull, QueueTimeout, ShuttingDown, SpendLimitReached) as exc:
                 self.queue_ms = self.account.queue_ms = int((waited + time.monotonic() - asked_at) * 1000)
                 if self.account.trace is not None:
                     self.account.trace.waited(time.monotonic() - asked_at, self.priority, refused=exc.status)

@@ -209,6 +209,7 @@ class ProxyState:
         self.prices.configure(config.prices, {name: (settings.upstream, settings.dialect)
                                               for name, settings in providers.items()})
         self.spend.configure(config.workspaces.spend_per_day_usd)
+        self._refuse_queued(self.spend.newly_capped())
         self._windowing = self._windowings(providers)
         self._model_patterns = {name: tuple(settings.models) for name, settings in providers.items()
                                 if settings.models}
@@ -309,6 +310,7 @@ class ProxyState:
             self._spend_unread.event(str(exc))
             return
         spend.read_done(totals, day)
+        self._refuse_queued(spend.newly_capped())
 
     async def _read_spend_every(self, seconds: float) -> None:
         """Other replicas' (or workers') spend, read again and again: a cap holds for the whole fleet."""
@@ -339,10 +341,24 @@ class ProxyState:
             self.metrics.count_tokens(row, model or "other")
             if row.cost_usd is not None:
                 self.spend.add(row.workspace, row.cost_usd, row.ended_at)
+                if self.spend.caps and self.spend.reached(row.workspace):
+                    self._refuse_queued([row.workspace])
 
     def spend_refusal(self, workspace: str, settings: ProviderSettings) -> SpendLimitReached | None:
         """The refusal of a new request of ``workspace`` whose spend today reached its cap, else None."""
         return self.spend.refusal(workspace, settings.name, settings.dialect) if self.spend.caps else None
+
+    def _refuse_queued(self, workspaces: list[str]) -> None:
+        """Workspaces whose spend has just reached their cap: their requests queued in this process are refused
+        now, each in its provider's shape, rather than when a slot comes; those in flight finish."""
+        for workspace in workspaces:
+            for name, settings in self._providers.items():
+                refusal = self.spend.refusal(workspace, name, settings.dialect)
+                if refusal is not None:
+                    refused = self.backend.reject_waiters(name, workspace, refusal)
+                    if refused:
+                        log.info("provider=%s refused %d queued request(s) of workspace=%s: its spend today "
+                                 "reached its cap", name, refused, workspace)
 
 
 def redis_target(backend: BackendSettings, environ: Mapping[str, str] | None = None) -> RedisTarget:

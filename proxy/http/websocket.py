@@ -35,6 +35,7 @@ from ..errors import (
     QueueFull,
     QueueTimeout,
     ShuttingDown,
+    SpendLimitReached,
     WebSocketUnsupported,
 )
 from ..limiter import Priority, SlotLease
@@ -332,7 +333,7 @@ class SocketRelay:
         try:
             lease = await self.state.backend.acquire(self.provider, priority, model=account.model, key=self.key,
                                                      cost=cost, group=group or None)
-        except (QueueFull, QueueTimeout, ShuttingDown) as exc:
+        except (QueueFull, QueueTimeout, ShuttingDown, SpendLimitReached) as exc:
             self.state.request_finished()
             account.queue_ms = round((time.monotonic() - asked_at) * 1000)
             if self.trace is not None:

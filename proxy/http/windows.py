@@ -26,7 +26,6 @@ from ..providers.window_signals import (
     HEADER_NAMES,
     REMAINING_HEADERS,
     Dialect,
-    most_remaining,
     window_hit,
     window_limits,
     window_remaining,
@@ -139,7 +138,7 @@ class Windowing:
         for window, name in self.remaining_headers:
             left = header_count(picked.get(name))
             if left is not None:
-                room[window] = most_remaining(dialect, window, left)
+                room[window] = left
         if room:
             backend.report_window_remaining(provider, key, group, room, sent_at)
 

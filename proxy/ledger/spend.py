@@ -44,6 +44,8 @@ class DailySpend:
         self.day = int(clock() * 1000) // DAY_MS
         self._read: dict[str, float] = {}
         self._since: dict[str, float] = {}
+        self._capped: set[str] = set()
+        """The workspaces known to have reached their cap today (their queued requests were refused then)."""
 
     def configure(self, caps: Mapping[str, float]) -> None:
         """New caps (a reload): in force for the next check, so a raised cap lifts a refusal at once."""
@@ -84,6 +86,28 @@ class DailySpend:
             f"(workspaces.spend_per_day_usd); new requests are refused until the cap resets at {when}",
             retry_after=max(1.0, (resets_at - now_ms) / 1000), dialect=dialect)
 
+    def reached(self, workspace: str) -> bool:
+        """Whether ``workspace``'s spend has just reached its cap: True once, when it happens (its queued
+        requests are refused then), as cheap as a check."""
+        cap = self.cap(workspace)
+        if cap is None or self.spent(workspace) < cap or workspace in self._capped:
+            return False
+        self._capped.add(workspace)
+        return True
+
+    def newly_capped(self) -> list[str]:
+        """The workspaces whose spend reached their cap since the last look (after a read of the fleet's spend,
+        or a reload that lowered a cap); one whose cap was raised meanwhile may reach it again. O(workspaces
+        that spent today)."""
+        self._today()
+        capped = set()
+        for workspace in set(self._read) | set(self._since):
+            cap = self.cap(workspace)
+            if cap is not None and self.spent(workspace) >= cap:
+                capped.add(workspace)
+        new, self._capped = capped - self._capped, capped
+        return sorted(new)
+
     def read_started(self) -> dict[str, float]:
         """A read of the day's totals begins: what this replica added so far is in it (the caller has written
         it first). Pass the answer to ``read_done`` or ``read_failed``."""
@@ -122,4 +146,4 @@ class DailySpend:
 
     def _roll(self, day: int) -> None:
         self.day = day
-        self._read, self._since = {}, {}
+        self._read, self._since, self._capped = {}, {}, set()

@@ -33,7 +33,7 @@ from .holding import holder_words, what_holds
 from .lease import AdmissionGate, Lease, LimiterSettings
 from .level import Budget, LimitLevel
 from .policy import QUEUE_LISTED, LimitKey, StickyKeys
-from .queue import ClassedQueue, Priority, Waiter, WaiterClass
+from .queue import ClassedQueue, Priority, Waiter, WaiterClass, reject_all
 from .status import (
     ModelStatus,
     ProviderStatus,
@@ -253,15 +253,14 @@ class ProviderLimiter:
 
     def shed(self, error: ProxyError) -> int:
         """Reject every waiter (graceful shutdown); returns how many there were."""
-        count = 0
         self._deadlines.clear()
-        for waiter in self._waiting.take_all():
-            count += 1
-            on_reject = waiter.on_reject
-            waiter.forget_callbacks()
-            if on_reject is not None:
-                on_reject(error)
-        return count
+        return reject_all(self._waiting.take_all(), error)
+
+    def reject_waiters(self, workspace: str, error: ProxyError) -> int:
+        """Reject every waiter of ``workspace`` at once (its spend cap reached); returns how many there were."""
+        rejected = reject_all(self._waiting.take_workspace(workspace), error)
+        self._dispatch()  # a head it held (a window, a share) may have kept one that can go now behind it
+        return rejected
 
     def _retry_after_hint(self) -> float:
         return policy.retry_after_hint(self._clock.time(), self._paused_until())

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ..errors import ProxyError
 from .policy import queue_key
 
-__all__ = ["ClassedQueue", "Priority", "Waiter", "WaiterClass", "WaiterQueue"]
+__all__ = ["ClassedQueue", "Priority", "Waiter", "WaiterClass", "WaiterQueue", "reject_all"]
 
 WaiterClass = tuple[str | None, str | None, str | None, str | None] | None
 """Which heap of its provider's queue a waiter is in: (model cap pattern, workspace when shares apply, the
@@ -123,6 +124,17 @@ class WaiterQueue:
             self._rebuild()
         return True
 
+    def take_workspace(self, workspace: str) -> list[Waiter]:
+        """Take out every waiter of ``workspace``, in queue order: O(n log n), for a rare event (its spend cap
+        reached), never on the way of a grant."""
+        taken = [waiter for waiter in self.in_order() if waiter.priority.workspace == workspace]
+        if taken:
+            for waiter in taken:
+                waiter.queued = False
+            self._live -= len(taken)
+            self._rebuild()
+        return taken
+
     def restar(self, starred_workspaces: frozenset[str]) -> None:
         """Re-evaluate each waiter's star against a new starred set and restore heap order."""
         for _, waiter in self._heap:
@@ -201,6 +213,16 @@ class ClassedQueue:
                 taken.append(waiter)
         return taken
 
+    def take_workspace(self, workspace: str) -> list[Waiter]:
+        """Take out every waiter of ``workspace``, class by class in queue order; the others keep their place."""
+        taken: list[Waiter] = []
+        for waiter_class, queue in list(self._heaps.items()):
+            taken += queue.take_workspace(workspace)
+            if not len(queue):
+                del self._heaps[waiter_class]
+        self.count -= len(taken)
+        return taken
+
     def restar(self, starred_workspaces: frozenset[str]) -> None:
         for queue in self._heaps.values():
             queue.restar(starred_workspaces)
@@ -211,3 +233,15 @@ class ClassedQueue:
             return list(next(iter(self._heaps.values())).in_order(limit))
         merged = heapq.merge(*(queue.in_order(limit) for queue in self._heaps.values()), key=Waiter.sort_key)
         return list(itertools.islice(merged, limit))
+
+
+def reject_all(waiters: Iterable[Waiter], error: ProxyError) -> int:
+    """Answer each waiter taken out of its queue with ``error``; returns how many there were."""
+    count = 0
+    for waiter in waiters:
+        on_reject = waiter.on_reject
+        waiter.forget_callbacks()
+        if on_reject is not None:
+            on_reject(error)
+        count += 1
+    return count

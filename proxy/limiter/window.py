@@ -20,6 +20,7 @@ from typing import Any
 __all__ = [
     "MAX_GROUPS",
     "OTHER_GROUP",
+    "ROUNDED_REMAINING",
     "SETTLE_RULES",
     "WINDOW_NAMES",
     "Bucket",
@@ -37,6 +38,10 @@ WINDOW_NAMES: tuple[str, ...] = (
 SETTLE_RULES = ("give_back", "charge_beyond")
 """How an answer's usage reconciles a window: Anthropic's input and output windows give back an
 over-estimate and charge an under-estimate; OpenAI's tokens_per_minute only charges what went beyond."""
+
+ROUNDED_REMAINING: Mapping[str, float] = {"input_tokens_per_minute": 500.0, "output_tokens_per_minute": 500.0}
+"""Half the rounding of each window's announced ``-remaining``: Anthropic, whose windows these are, rounds them
+to the nearest thousand (its request count and OpenAI's counts are exact)."""
 
 OTHER_GROUP = "other"
 """The group of a request that names no model."""
@@ -139,10 +144,14 @@ class Bucket:
         self._level = min(self._level, 0.0)
         self._at = max(self._at, until, now)
 
-    def correct(self, remaining: float, now: float) -> None:
-        """The provider's word on what is left (already less what was sent since it said so): only lowers."""
+    def correct(self, remaining: float, now: float, slack: float = 0.0) -> None:
+        """The provider's word on what is left (already less what was sent since it said so): only lowers.
+
+        ``slack`` is half the rounding of an announced count: only a level beyond what the announcement can
+        stand for is corrected, and then to the least it can stand for (an estimate errs toward holding)."""
         self._sync(now)
-        self._level = min(self._level, remaining)
+        if self._level > remaining + slack:
+            self._level = remaining - slack
 
     def taken_since(self, since: float) -> float:
         """What was taken after ``since``, read from the newest back: an answer asks about the requests sent
@@ -395,7 +404,8 @@ class WindowBook:
         if entry is None:
             return
         sent_since = 0.0 if answered_at is None else entry.bucket.taken_since(answered_at)
-        entry.bucket.correct(remaining - sent_since, now)
+        slack = min(ROUNDED_REMAINING.get(window, 0.0), max(remaining, 0.0))  # an announced 0 stands for 0 up
+        entry.bucket.correct(remaining - sent_since, now, slack)
 
     # ----- observing -------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from datetime import datetime
 
 from ..limiter import Budget
 
-__all__ = ["MAX_HOLD", "header_count", "read_budget", "reset_duration", "reset_instant"]
+__all__ = ["MAX_HOLD", "header_count", "lowercase_headers", "read_budget", "reset_duration", "reset_instant"]
 
 MAX_HOLD = 8 * 86400.0
 """A reset further ahead than this (the longest window providers announce is 7 days) is not believed."""
@@ -107,3 +107,12 @@ def _after(now: float, delay: float | None) -> float | None:
 
 def _believed(at: float, now: float) -> float | None:
     return at if at <= now + MAX_HOLD else None
+
+
+def lowercase_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """Header names folded to lower case; the first of duplicate names wins."""
+    folded: dict[str, str] = {}
+    for name, value in headers.items():
+        if isinstance(name, str) and isinstance(value, str):
+            folded.setdefault(name.lower(), value)
+    return folded

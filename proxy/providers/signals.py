@@ -16,6 +16,7 @@ from datetime import UTC
 from email.utils import parsedate_to_datetime
 from typing import Any
 
+from .budgets import lowercase_headers
 from .decoders import StreamDecoder, decoder_for
 from .tokens import USAGE_MARK, UsageReader
 
@@ -114,7 +115,7 @@ def stated_wait(headers: Mapping[str, str], body: bytes | None, now: float) -> f
     error message's words (``Please try again in 6.379s``). An invalid or
     negative value falls through to the next source.
     """
-    found = _header_wait(_lowercase(headers), now)
+    found = _header_wait(lowercase_headers(headers), now)
     if found is None:
         found = _body_wait(_load_json(body))
     return found
@@ -257,14 +258,6 @@ class DecodedStreamScanner:
             self._decoder = None  # nothing more to read in it
         return found
 
-
-def _lowercase(headers: Mapping[str, str]) -> dict[str, str]:
-    """Header names folded to lower case; the first of duplicate names wins."""
-    folded: dict[str, str] = {}
-    for name, value in headers.items():
-        if isinstance(name, str) and isinstance(value, str):
-            folded.setdefault(name.lower(), value)
-    return folded
 
 
 def _header_wait(headers: Mapping[str, str], now: float) -> float | None:

@@ -17,16 +17,19 @@ import re
 from collections.abc import Mapping
 from typing import Literal
 
-from .budgets import MAX_HOLD, header_count, reset_duration, reset_instant
+from .budgets import (
+    MAX_HOLD,
+    header_count,
+    lowercase_headers,
+    reset_duration,
+    reset_instant,
+)
 
-__all__ = ["HEADER_NAMES", "REMAINING_HEADERS", "Dialect", "beyond_rounding", "most_remaining", "window_hit", "window_limits",
-           "window_remaining", "window_room"]
+__all__ = ["HEADER_NAMES", "REMAINING_HEADERS", "Dialect", "window_hit", "window_limits", "window_remaining"]
 
 Dialect = Literal["anthropic", "openai"]
 
 RATE_LIMIT_STATUS = 429
-ANTHROPIC_ROUNDING = 1000
-"""Anthropic rounds a token window's ``-remaining`` to the nearest thousand."""
 
 _HEADER_WINDOWS: dict[str, dict[str, str]] = {
     "anthropic": {
@@ -48,7 +51,6 @@ REMAINING_HEADERS: dict[str, tuple[tuple[str, str], ...]] = {
     dialect: tuple((window, pattern.format("remaining")) for window, pattern in windows.items())
     for dialect, windows in _HEADER_WINDOWS.items()}
 """(window, its ``-remaining`` header in lower case), by dialect."""
-_ROUNDED = frozenset({("anthropic", "input_tokens_per_minute"), ("anthropic", "output_tokens_per_minute")})
 
 _MAX_READ = 64 * 1024
 """A window's name is in the first words of an error body; nothing past this is searched."""
@@ -62,7 +64,7 @@ _NAMED: dict[str, dict[str, str]] = {
 
 def window_limits(dialect: Dialect, headers: Mapping[str, str]) -> dict[str, int]:
     """The per-minute limit of each window the answer announces (``*-limit`` headers of 1 or more)."""
-    folded = _lowercase(headers)
+    folded = lowercase_headers(headers)
     limits = {}
     for window, pattern in _HEADER_WINDOWS[dialect].items():
         limit = header_count(folded.get(pattern.format("limit")))
@@ -73,37 +75,15 @@ def window_limits(dialect: Dialect, headers: Mapping[str, str]) -> dict[str, int
 
 def window_remaining(dialect: Dialect, headers: Mapping[str, str], now: float) -> dict[str, tuple[float, float | None]]:
     """Each announced window's room: ``(remaining, reset_at)``, the reset as epoch seconds (None when it is
-    missing or unreadable). Anthropic's token counts are returned as announced, rounded: see ``beyond_rounding``."""
-    folded = _lowercase(headers)
+    missing or unreadable). Anthropic's token counts are returned as announced, rounded (the limiter core allows
+    for that: ``limiter.window.ROUNDED_REMAINING``)."""
+    folded = lowercase_headers(headers)
     room: dict[str, tuple[float, float | None]] = {}
     for window, pattern in _HEADER_WINDOWS[dialect].items():
         remaining = header_count(folded.get(pattern.format("remaining")))
         if remaining is not None:
             room[window] = (float(remaining), _reset_at(dialect, folded.get(pattern.format("reset")), now))
     return room
-
-
-def window_room(dialect: Dialect, headers: Mapping[str, str]) -> dict[str, float]:
-    """Each announced window's ``-remaining`` alone (``window_remaining`` without reading the resets)."""
-    folded = _lowercase(headers)
-    room: dict[str, float] = {}
-    for window, pattern in _HEADER_WINDOWS[dialect].items():
-        remaining = header_count(folded.get(pattern.format("remaining")))
-        if remaining is not None:
-            room[window] = float(remaining)
-    return room
-
-
-def beyond_rounding(dialect: Dialect, window: str, believed: float, announced: float) -> bool:
-    """Whether an announced ``-remaining`` differs from the room believed by more than the provider's rounding
-    (half a thousand for Anthropic's token windows, nothing elsewhere): only such a difference corrects."""
-    return abs(believed - announced) > _half_rounding(dialect, window)
-
-
-def most_remaining(dialect: Dialect, window: str, announced: float) -> float:
-    """The most room an announced ``-remaining`` can stand for, its rounding included: what a correction
-    lowers the believed room to."""
-    return announced + _half_rounding(dialect, window)
 
 
 def window_hit(dialect: Dialect, status: int, headers: Mapping[str, str], body: bytes | str | None) -> str | None:
@@ -117,7 +97,7 @@ def window_hit(dialect: Dialect, status: int, headers: Mapping[str, str], body: 
     named = _named_in(dialect, body)
     if named is not None:
         return named
-    folded = _lowercase(headers)
+    folded = lowercase_headers(headers)
     for window, pattern in _HEADER_WINDOWS[dialect].items():
         if header_count(folded.get(pattern.format("remaining"))) == 0:
             return window
@@ -140,16 +120,3 @@ def _reset_at(dialect: Dialect, raw: str | None, now: float) -> float | None:
         return reset_instant(raw, now)
     delay = reset_duration(raw)
     return None if delay is None or delay > MAX_HOLD else now + delay
-
-
-def _half_rounding(dialect: Dialect, window: str) -> float:
-    return ANTHROPIC_ROUNDING / 2 if (dialect, window) in _ROUNDED else 0.0
-
-
-def _lowercase(headers: Mapping[str, str]) -> dict[str, str]:
-    """Header names folded to lower case; the first of duplicate names wins."""
-    folded: dict[str, str] = {}
-    for name, value in headers.items():
-        if isinstance(name, str) and isinstance(value, str):
-            folded.setdefault(name.lower(), value)
-    return folded

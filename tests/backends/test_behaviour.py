@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from proxy.errors import QueueFull, QueueTimeout
+from proxy.errors import QueueFull, QueueTimeout, SpendLimitReached
 from proxy.limiter import LimiterSettings, Priority, ProviderStatus, auto_reduce_notice
 
 pytestmark = pytest.mark.asyncio
@@ -242,3 +242,24 @@ async def test_config_change_of_the_limit_applies_and_clears_the_mark(backend) -
     await setup(backend, limit=5)
     s = await status(backend)
     assert (s.limit, s.configured_limit, s.auto_reduced) == (5, 5, False)
+
+
+async def test_reject_waiters_refuses_one_workspace_s_queued_requests_at_once(backend) -> None:
+    await setup(backend, limit=1)
+    holder = await backend.acquire("p", prio(workspace="docs"))
+    capped = [asyncio.create_task(backend.acquire("p", prio(age=100 - i, workspace="web"))) for i in range(2)]
+    other = asyncio.create_task(backend.acquire("p", prio(workspace="docs")))
+    await queued(backend, 3)
+    refusal = SpendLimitReached("workspace 'web' reached its cap", retry_after=3600.0)
+    assert backend.reject_waiters("p", "web", refusal) == 2
+    for task in capped:
+        with pytest.raises(SpendLimitReached):
+            await asyncio.wait_for(task, 1)
+    await queued(backend, 1)  # they left the shared queue too
+    assert [w.workspace for w in (await status(backend)).queue] == ["docs"]
+    assert backend.reject_waiters("p", "web", refusal) == 0
+    assert not other.done()
+    holder.release()
+    (await asyncio.wait_for(other, 5)).release()
+    s = await status(backend)
+    assert (s.in_flight, s.queued) == (0, 0)

@@ -560,7 +560,7 @@ for _, op in ipairs(ops) do
   if kind == 'take' then bucket_take(b, x, now)
   elseif kind == 'give' then bucket_give(b, x, now)
   elseif kind == 'empty_until' then bucket_empty_until(b, x, now)
-  elseif kind == 'correct' then bucket_correct(b, x - bucket_taken_since(b, y), now)
+  elseif kind == 'correct' then bucket_correct(b, x - bucket_taken_since(b, y), op[5], now)
   elseif kind == 'set_limit' then bucket_set_limit(b, x, y, now)
   elseif kind == 'wait' then table.insert(out, f17(bucket_wait(b, x, now))) end
   table.insert(out, f17(bucket_level(b, now)))
@@ -581,8 +581,9 @@ return out
 
 _BUCKET_OPS: list[tuple[Any, ...]] = [
     ("take", 0.0, 500.0), ("wait", 0.0, 300.0), ("wait", 10.0, 300.0), ("take", 20.5, 333.25),
-    ("give", 21.0, 50.0), ("wait", 21.0, 5000.0), ("correct", 22.0, 100.0, 20.0), ("take", 22.5, 10.0),
-    ("correct", 23.0, 200.0, 22.25), ("set_limit", 24.0, 1200.0, 0.05), ("wait", 24.0, 700.0),
+    ("give", 21.0, 50.0), ("wait", 21.0, 5000.0), ("correct", 22.0, 100.0, 20.0, 0.0), ("take", 22.5, 10.0),
+    ("correct", 23.0, 200.0, 22.25, 0.0), ("correct", 23.5, 150.0, 23.0, 30.0), ("take", 23.75, 5.0),
+    ("correct", 23.875, 400.0, 23.5, 30.0), ("set_limit", 24.0, 1200.0, 0.05), ("wait", 24.0, 700.0),
     ("empty_until", 25.0, 40.0), ("wait", 30.0, 10.0), ("take", 41.0, 2000.0), ("set_limit", 42.0, 300.0, 0.0),
     ("wait", 42.0, 299.0), ("give", 200.0, 10.0), ("take", 200.125, 0.1), ("wait", 200.125, 600.0),
 ]
@@ -603,7 +604,7 @@ def _python_bucket(ops: list[tuple[Any, ...]], limit: float, headroom: float) ->
         elif kind == "empty_until":
             bucket.empty_until(T0 + rest[0], now)
         elif kind == "correct":
-            bucket.correct(rest[0] - bucket.taken_since(T0 + rest[1]), now)
+            bucket.correct(rest[0] - bucket.taken_since(T0 + rest[1]), now, rest[2])
         elif kind == "set_limit":
             bucket.set_limit(rest[0], rest[1], now)
         elif kind == "wait":

@@ -148,8 +148,12 @@ async def test_what_answers_say_reaches_the_windows(backend) -> None:
     assert [(w, r["limit"], r["source"]) for (_, w), r in opus.items()] == [
         (ITPM, 400, "both"), (OTPM, 900, "config"), (RPM, 50, "headers")]
     assert opus[("opus", ITPM)]["available"] in range(300, 305)  # 100 spent: 500 of 600, then 200 less capacity
-    backend.report_window_remaining("p", None, "opus", {OTPM: 300.0}, time.time())
-    assert (await rows(backend))[("opus", OTPM)]["available"] in range(300, 303)
+    backend.report_window_remaining("p", None, "opus", {OTPM: 1000.0}, time.time())
+    assert (await rows(backend))[("opus", OTPM)]["available"] in range(850, 853), "within the rounding"
+    backend.report_window_remaining("p", None, "opus", {OTPM: 0.0}, time.time())
+    assert (await rows(backend))[("opus", OTPM)]["available"] in range(3), "beyond it: the least it stands for"
+    backend.report_window_remaining("p", None, "opus", {RPM: 20.0}, time.time())
+    assert (await rows(backend))[("opus", RPM)]["available"] in range(20, 22), "requests are counted exactly"
     backend.report_window_hit("p", None, "opus", ITPM, time.time() + 60)
     row = (await rows(backend))[("opus", ITPM)]
     assert (row["available"], row["hits"]) == (0, 1)

@@ -173,6 +173,90 @@ async def test_a_queued_request_of_a_workspace_that_reached_its_cap_is_refused_a
     assert [row["status"] for row in await rows(proxy)] == [200, 429]
 
 
+async def slots(proxy: Proxy, in_flight: int, queued: int, timeout: float = 5.0) -> None:
+    """Wait until the openai provider's shared counts (refreshed from Redis where it is used) are these."""
+    deadline = time.monotonic() + timeout
+    while True:
+        await proxy.state.backend.refresh()
+        status = proxy.state.backend.provider_status("openai")
+        if (status.in_flight, status.queued) == (in_flight, queued):
+            return
+        assert time.monotonic() < deadline, f"expected {in_flight} in flight and {queued} queued, got {status}"
+        await asyncio.sleep(0.02)
+
+
+STALL = {"x-fake-stall-ms": "4000"}
+"""Another workspace's request that holds its slot well past the moment the cap is crossed."""
+
+
+async def test_a_queued_request_is_refused_at_once_when_its_workspace_s_own_request_crosses_the_cap(
+        start_upstream, start_proxy, client, tmp_path) -> None:
+    up = await start_upstream()
+    proxy = await start_proxy(rig(up, tmp_path / "l.sqlite", capped(0.1), limit="2"))
+    docs_long = asyncio.ensure_future(post(client, proxy, "chat", "capped-1", workspace="docs", **STALL))
+    crossing = asyncio.ensure_future(post(client, proxy, "chat", "capped-1", **{"x-fake-stall-ms": "500"}))
+    await slots(proxy, 2, 0)
+    docs_next = asyncio.ensure_future(post(client, proxy, "chat", "capped-1", workspace="docs", **STALL))
+    await slots(proxy, 2, 1)
+    web_queued = asyncio.ensure_future(post(client, proxy, "chat", "capped-1"))
+    await slots(proxy, 2, 2)
+    docs_last = asyncio.ensure_future(post(client, proxy, "chat", "capped-1", workspace="docs"))
+    await slots(proxy, 2, 3)
+    assert (await crossing)[0] == 200
+    crossed_at = time.monotonic()
+    status, body, headers = await asyncio.wait_for(web_queued, 1.5)
+    assert time.monotonic() - crossed_at < 1.5, "refused at once, not when a slot frees"
+    assert status == 429 and body["error"]["code"] == "spend_limit_reached" and "'web'" in body["error"]["message"]
+    assert abs(int(headers["Retry-After"]) - seconds_to_midnight()) < 5
+    assert not docs_long.done() and not docs_last.done(), "the slots are still held; docs's queued one waits on"
+    await slots(proxy, 2, 1)
+    assert [(await task)[0] for task in (docs_long, docs_next, docs_last)] == [200, 200, 200]
+
+
+async def test_a_reload_that_lowers_the_cap_below_today_s_spend_refuses_the_queued_at_once(
+        start_upstream, start_proxy, client, tmp_path) -> None:
+    up = await start_upstream()
+    proxy = await start_proxy(rig(up, tmp_path / "l.sqlite", capped(1.0), limit="1"))
+    assert (await post(client, proxy, "chat", "capped-1"))[0] == 200
+    docs_long = asyncio.ensure_future(post(client, proxy, "chat", "capped-1", workspace="docs",
+                                           **{"x-fake-stall-ms": "2000"}))
+    await slots(proxy, 1, 0)
+    web_queued = asyncio.ensure_future(post(client, proxy, "chat", "capped-1"))
+    await slots(proxy, 1, 1)
+    proxy.state.apply(parse_config(rig(up, tmp_path / "l.sqlite", capped(0.1), limit="1")))
+    status, body, _ = await asyncio.wait_for(web_queued, 1)
+    assert status == 429 and body["error"]["code"] == "spend_limit_reached" and not docs_long.done()
+    assert (await docs_long)[0] == 200
+
+
+async def test_each_replica_refuses_its_queued_requests_when_the_fleet_s_spend_reaches_the_cap(
+        start_upstream, start_proxy, client, tmp_path) -> None:
+    require_redis()
+    prefix = f"slotproxy-test-{os.urandom(5).hex()}"
+    backend = f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: {prefix}, lease_ttl: 2s}}\n"
+    try:
+        up = await start_upstream()
+        one = await start_proxy(rig(up, tmp_path / "one.sqlite", capped(0.1), backend=backend, limit="2"))
+        two = await start_proxy(rig(up, tmp_path / "two.sqlite", capped(0.1), backend=backend, limit="2"))
+        docs_long = asyncio.ensure_future(post(client, one, "chat", "capped-1", workspace="docs",
+                                               **{"x-fake-stall-ms": "6000"}))
+        crossing = asyncio.ensure_future(post(client, two, "chat", "capped-1", **{"x-fake-stall-ms": "800"}))
+        await slots(one, 2, 0)
+        docs_next = asyncio.ensure_future(post(client, one, "chat", "capped-1", workspace="docs", **STALL))
+        await slots(one, 2, 1)
+        web_queued = asyncio.ensure_future(post(client, one, "chat", "capped-1"))
+        await slots(one, 2, 2)
+        assert (await crossing)[0] == 200, "crossed on the other replica"
+        crossed_at = time.monotonic()
+        status, body, _ = await asyncio.wait_for(web_queued, 4)
+        assert status == 429 and body["error"]["code"] == "spend_limit_reached"
+        assert time.monotonic() - crossed_at < 4 and not docs_long.done(), "refused while both slots are held"
+        await slots(one, 2, 0)  # it left the shared queue; docs's queued one got the slot the crossing freed
+        assert [(await task)[0] for task in (docs_long, docs_next)] == [200, 200]
+    finally:
+        delete_prefix(REDIS_URL, prefix)
+
+
 async def test_a_restart_keeps_the_day_s_spend(start_upstream, start_proxy, client, tmp_path) -> None:
     up = await start_upstream()
     ledger = tmp_path / "l.sqlite"

@@ -122,6 +122,16 @@ def test_correct_only_lowers() -> None:
     assert bucket.level(T0) == 200
 
 
+def test_a_rounded_count_corrects_only_beyond_its_rounding_and_then_to_the_least_it_stands_for() -> None:
+    bucket = Bucket(30_000, T0)
+    bucket.correct(11_000, T0, slack=500)  # a window first learned: full, far above what was announced
+    assert bucket.level(T0) == 10_500, "the least an announced 11 000 can stand for: never more than is left"
+    bucket.correct(10_000, T0, slack=500)
+    assert bucket.level(T0) == 10_500, "within the rounding: no correction"
+    bucket.correct(9_000, T0, slack=500)
+    assert bucket.level(T0) == 8_500
+
+
 def test_set_limit_keeps_what_was_spent_and_never_overfills() -> None:
     bucket = Bucket(600, T0)
     bucket.take(200, T0)
@@ -321,14 +331,14 @@ def test_a_window_hit_empties_it_until_the_announced_time_and_leaves_the_limit_a
 
 
 def test_the_provider_s_remaining_corrects_downward_less_what_was_sent_since() -> None:
-    limiter, clock = make(WindowSettings(provider={ITPM: 600}))
+    limiter, clock = make(WindowSettings(provider={TPM: 600}))
     answered_at = T0
     clock.advance(1)
-    assert limiter.try_acquire(prio(), cost={ITPM: 100}, group="opus") is not None
-    windows(limiter).report_window_remaining(None, "opus", {ITPM: 300}, answered_at)
-    assert window_row(limiter, ITPM)["available"] == 200
-    windows(limiter).report_window_remaining(None, "opus", {ITPM: 590}, clock.time())
-    assert window_row(limiter, ITPM)["available"] == 200
+    assert limiter.try_acquire(prio(), cost={TPM: 100}, group="opus") is not None
+    windows(limiter).report_window_remaining(None, "opus", {TPM: 300}, answered_at)
+    assert window_row(limiter, TPM)["available"] == 200
+    windows(limiter).report_window_remaining(None, "opus", {TPM: 590}, clock.time())
+    assert window_row(limiter, TPM)["available"] == 200
 
 
 def test_learned_limits_hold_when_smaller_and_make_room_when_they_grow() -> None:

@@ -10,9 +10,6 @@ from multidict import CIMultiDict
 
 from proxy.providers.budgets import read_budget
 from proxy.providers.window_signals import (
-    Dialect,
-    beyond_rounding,
-    most_remaining,
     window_hit,
     window_limits,
     window_remaining,
@@ -135,49 +132,6 @@ def test_remaining_without_a_readable_reset_keeps_the_count() -> None:
                                        "x-ratelimit-reset-requests": "1000h"}, NOW)
     assert room == {"tokens_per_minute": (500.0, None), "requests_per_minute": (3.0, None)}
     assert window_remaining("anthropic", {"anthropic-ratelimit-input-tokens-reset": rfc3339(NOW)}, NOW) == {}
-
-
-def test_only_a_difference_beyond_anthropic_s_rounding_corrects() -> None:
-    assert not beyond_rounding("anthropic", "input_tokens_per_minute", believed=447_400, announced=447_000)
-    assert not beyond_rounding("anthropic", "output_tokens_per_minute", believed=89_500, announced=90_000)
-    assert beyond_rounding("anthropic", "input_tokens_per_minute", believed=447_501, announced=447_000)
-    assert beyond_rounding("anthropic", "requests_per_minute", believed=4, announced=3), "requests are exact"
-    assert beyond_rounding("openai", "tokens_per_minute", believed=1001, announced=1000), "OpenAI does not round"
-    assert not beyond_rounding("openai", "tokens_per_minute", believed=1000, announced=1000)
-    assert most_remaining("anthropic", "input_tokens_per_minute", 447_000) == 447_500
-    assert most_remaining("openai", "tokens_per_minute", 1000) == 1000
-
-
-@pytest.mark.parametrize(("body", "window"), [
-    (ANTHROPIC_ITPM, "input_tokens_per_minute"),
-    (ANTHROPIC_ITPM_NEWER, "input_tokens_per_minute"),
-    (ANTHROPIC_OTPM, "output_tokens_per_minute"),
-    (ANTHROPIC_RPM, "requests_per_minute"),
-    (ANTHROPIC_ITPM.decode(), "input_tokens_per_minute"),
-])
-def test_an_anthropic_429_names_its_window(body: bytes | str, window: str) -> None:
-    assert window_hit("anthropic", 429, {"retry-after": "12"}, body) == window
-
-
-@pytest.mark.parametrize(("body", "window"), [
-    (OPENAI_TPM, "tokens_per_minute"),
-    (OPENAI_RPM, "requests_per_minute"),
-    (OPENAI_TPM_OLDER, "tokens_per_minute"),
-])
-def test_an_openai_429_names_its_window(body: bytes, window: str) -> None:
-    assert window_hit("openai", 429, {"retry-after": "2"}, body) == window
-
-
-@pytest.mark.parametrize(("dialect", "body"), [
-    ("openai", OPENAI_TPD),
-    ("openai", OPENAI_QUOTA),
-    ("anthropic", ANTHROPIC_UNNAMED),
-    ("anthropic", anthropic_error("Number of concurrent connections has exceeded your rate limit.")),
-    ("anthropic", b""),
-    ("openai", None),
-])
-def test_a_429_naming_no_window_is_not_a_window_hit(dialect: Dialect, body: bytes | None) -> None:
-    assert window_hit(dialect, 429, {}, body) is None
 
 
 def test_a_window_s_remaining_zero_names_it_when_the_words_do_not() -> None:

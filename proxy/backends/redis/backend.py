@@ -367,6 +367,19 @@ class RedisBackend(WindowKeeper):
                 count += 1
         return count + self._local.shed_queues(error)
 
+    def reject_waiters(self, provider: str, workspace: str, error: ProxyError) -> int:
+        """Answered at once; each leaves Redis's queue by its CANCEL, which hands back a grant that lands
+        meanwhile (as a queue timeout's does)."""
+        count = 0
+        for waiter in list(self._waiters.values()):
+            if waiter.provider == provider and waiter.priority.workspace == workspace and waiter.queued:
+                waiter.expiring = True
+                self._spawn(self._guarded("CANCEL", provider, waiter.waiter_id, self._lease_ttl_ms, self._channel,
+                                          "0", "0"))
+                waiter.future.set_exception(error)
+                count += 1
+        return count + self._local.reject_waiters(provider, workspace, error)
+
     def in_flight(self) -> int:
         return len(self._leases) + self._local.in_flight()
 

@@ -487,15 +487,18 @@ return tostring(next_event(now))
 """
 
 WINDOW_CORRECT = PRELUDE + r"""
--- ARGV: key ('' = the provider's own), group, answered_at (ms), then (window, remaining) pairs: what an answer
--- said was left; the room believed is never more than that, less what was sent since (WindowBook.correct).
+-- ARGV: key ('' = the provider's own), group, answered_at (ms), then (window, remaining, slack) triples: what an
+-- answer said was left; the room believed is never more than that, less what was sent since, beyond the
+-- announcement's rounding (slack: window.ROUNDED_REMAINING; WindowBook.correct).
 local now = now_ms()
 if layout().win == nil then return 0 end
 local since = tonumber(ARGV[3])
-for i = 4, #ARGV, 2 do
+for i = 4, #ARGV, 3 do
   local b = window_of(ARGV[1], ARGV[2], ARGV[i], now)
   if b then
-    bucket_correct(b, tonumber(ARGV[i + 1]) - bucket_taken_since(b, since), now)
+    local announced = tonumber(ARGV[i + 1])
+    local slack = math.min(tonumber(ARGV[i + 2]), math.max(announced, 0))
+    bucket_correct(b, announced - bucket_taken_since(b, since), slack, now)
     bucket_save(b)
   end
 end

@@ -87,9 +87,9 @@ local function bucket_empty_until(b, untl, now)
   b.at = math.max(b.at, untl, now)
 end
 
-local function bucket_correct(b, remaining, now)
+local function bucket_correct(b, remaining, slack, now)
   bucket_sync(b, now)
-  b.level = math.min(b.level, remaining)
+  if b.level > remaining + slack then b.level = remaining - slack end
 end
 
 local function bucket_taken_since(b, since)

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...limiter import Lease, ProviderStatus, SlotLease
-from ...limiter.window import OTHER_GROUP, WindowBook
+from ...limiter.window import OTHER_GROUP, ROUNDED_REMAINING, WindowBook
 from .client import text
 from .leases import RedisLease, SlotKeeper
 
@@ -76,7 +76,8 @@ class WindowKeeper(SlotKeeper):
                                 remaining: Mapping[str, float], answered_at: float) -> None:
         if not self._windowed(provider) or not remaining:
             return
-        pairs = [part for window, left in remaining.items() for part in (window, repr(float(left)))]
+        pairs = [part for window, left in remaining.items()
+                 for part in (window, repr(float(left)), repr(ROUNDED_REMAINING.get(window, 0.0)))]
         self._send("WINDOW_CORRECT", provider, (key or "", group or OTHER_GROUP, repr(answered_at * 1000), *pairs))
         if not self.healthy:
             self._local.report_window_remaining(provider, key, group, remaining, answered_at)
