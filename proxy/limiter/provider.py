@@ -314,6 +314,7 @@ class ProviderLimiter:
         windows = self._windows
         if windows is not None:
             windows.wake = None
+            windows.blocked.clear()
         if not self._provider_room():
             return None
         if self._pool and not any(level.has_room() for level in self._pool):
@@ -334,8 +335,7 @@ class ProviderLimiter:
                 now = self._clock.time()
                 key, wait = windows.fit(self._pool, waiter.key, self._sticky.get(waiter.priority.conversation),
                                         waiter.group or OTHER_GROUP, waiter.cost, now)
-                if wait > 0:
-                    windows.hold(waiter, self._pool, wait, now)
+                if not windows.admits(waiter, self._pool, key, wait, now):
                     continue
             if cap is not None and self._by_workspace.get(waiter.priority.workspace, 0) >= cap:
                 if over_share is None:

@@ -29,6 +29,9 @@ class ProviderWindows:
         self._on_room = on_room
         self.wake: float | None = None
         """When the earliest held head will have room (found by the limiter's last look at its queue)."""
+        self.blocked: set[WindowId] = set()
+        """The windows holding a head in the limiter's current look at its queue: a later head needing one of
+        them waits behind it, or small requests would pass a large one for ever."""
         self._timer: Timer | None = None
         self._timer_at = math.inf
 
@@ -87,8 +90,23 @@ class ProviderWindows:
                     for window in book.blocked_by(level.key.key or "", group, cost, now)]
         book.count_held(window for window in held if window not in waiter.held_by)
         waiter.held_by = tuple(held)
+        self.blocked.update(held)
         if wait < math.inf and (self.wake is None or now + wait < self.wake):
             self.wake = now + wait
+
+    def admits(self, waiter: Waiter, pool: Sequence[LimitLevel], key: str | None, wait: float, now: float) -> bool:
+        """Whether a head ``fit`` found ``wait`` seconds from room (on ``key``) may go now: not while its windows
+        hold it (``hold``), nor while it needs a window an earlier head is held by (it waits its turn)."""
+        if wait > 0:
+            self.hold(waiter, pool, wait, now)
+            return False
+        blocked = self.blocked
+        if not blocked:
+            return True
+        assert waiter.cost is not None
+        group = waiter.group or OTHER_GROUP
+        owner = key if pool else None
+        return not any(amount and (owner, group, name) in blocked for name, amount in waiter.cost.items())
 
     def arm(self) -> None:
         """One timer for the held heads, at the earliest time one of them will have room (a timer already set

@@ -280,3 +280,22 @@ async def test_memory_and_redis_admit_the_same_requests_and_count_the_same(key_p
         await redis_backend.close()
     assert expected[0] == ["big@a", "next@b", "sonnet@a", "starred@b"]
     assert got == expected
+
+
+async def test_a_head_held_by_its_window_is_not_passed_by_a_smaller_request_needing_the_same_window(backend) -> None:
+    """Two workspaces in classes of their own (max_share): the older one's large request waits for its window;
+    a later small one that would fit now waits behind it, or small requests would pass a large one for ever."""
+    await setup(backend, WindowSettings(provider={ITPM: FAST}), max_share=0.5)
+    first = await backend.acquire("p", prio(), cost={ITPM: FAST - 500}, group="opus")
+    large = asyncio.create_task(backend.acquire(
+        "p", Priority(prompt_started_at=time.time() - 10, workspace="a"), cost={ITPM: 1_500}, group="opus"))
+    await held(backend, 1)
+    small = asyncio.create_task(backend.acquire(
+        "p", Priority(prompt_started_at=time.time(), workspace="b"), cost={ITPM: 300}, group="opus"))
+    other = await asyncio.wait_for(backend.acquire(
+        "p", Priority(prompt_started_at=time.time(), workspace="b"), cost={ITPM: 300}, group="sonnet"), 2)
+    done, _ = await asyncio.wait({large, small}, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    assert done == {large}, "the large request, first in the queue, goes first"
+    (await asyncio.wait_for(small, 5)).release()
+    for lease in (first, large.result(), other):
+        lease.release()

@@ -279,6 +279,7 @@ local function head_windows(member, pinned, group, now)
     window_hold(id, info, pinned, group, wait, now)
     return false, nil
   end
+  if window_behind_held(key or '', group, cjson.decode(info.wc), now) then return false, nil end
   return true, key
 end
 
@@ -287,6 +288,7 @@ end
 -- Returns id, info, found, and the key its windows have room on (nil: any the grant chooses).
 local function next_waiter(now)
   window_wake = nil
+  window_blocked = {}
   if not layout().classed then
     local head = redis.call('ZRANGE', KEYS[4], 0, 0)
     if #head == 0 then return nil, nil, false end

@@ -273,6 +273,9 @@ end
 
 -- When the earliest held head will have room (ms), found by the current dispatch.
 local window_wake = nil
+-- The windows holding a head in the current dispatch (ProviderWindows.blocked): a later head needing one of
+-- them waits behind it.
+local window_blocked = {}
 
 -- ProviderWindows.hold: the windows holding this head, each counted once per waiter, kept with the waiter
 -- (``hb``) for status; and when dispatch must run again.
@@ -296,6 +299,7 @@ local function window_hold(id, info, pinned, group, wait, now)
   local before = {}
   for _, wid in ipairs(info.hb or {}) do before[wid] = true end
   for _, wid in ipairs(held) do
+    window_blocked[wid] = true
     if not before[wid] then redis.call('HINCRBY', bucket_hash(wid), 'held', 1) end
   end
   if table.concat(held, '\0') ~= table.concat(info.hb or {}, '\0') then
@@ -303,6 +307,15 @@ local function window_hold(id, info, pinned, group, wait, now)
     redis.call('HSET', KEYS[5], id, cjson.encode(info))
   end
   if wait < math.huge and (window_wake == nil or now + wait < window_wake) then window_wake = now + wait end
+end
+
+-- ProviderWindows.behind_held: whether a head that fits needs a window an earlier head is held by.
+local function window_behind_held(key, group, cost, now)
+  if next(window_blocked) == nil then return false end
+  for name, amount in pairs(cost) do
+    if amount ~= 0 and window_blocked[key .. '\n' .. group .. '\n' .. name] then return true end
+  end
+  return false
 end
 
 -- WindowBook.take: a request is sent; its cost is spent, and reserved until it ends.
