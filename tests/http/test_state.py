@@ -123,6 +123,10 @@ def _hammer(port: int, stop: threading.Event) -> None:
             return
 
 
+KILLS = 25
+"""Proxies SIGKILLed mid-burst (each start costs most of a second)."""
+
+
 def test_kill_9_during_a_burst_of_changes_never_tears_the_state_file(tmp_path: Path) -> None:
     path = tmp_path / "state.json"
     config = tmp_path / "slotproxy.yaml"
@@ -130,7 +134,7 @@ def test_kill_9_during_a_burst_of_changes_never_tears_the_state_file(tmp_path: P
     rng = random.Random(50)
     valid_writes = 0
     versions_seen: set[int] = set()
-    for _ in range(50):
+    for _ in range(KILLS):
         port = free_port()
         process = subprocess.Popen(
             [sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", str(port),
@@ -158,8 +162,8 @@ def test_kill_9_during_a_burst_of_changes_never_tears_the_state_file(tmp_path: P
         assert set(document["providers"]) == {"openai", "other"}
         versions_seen.add(document["written_at"])
         valid_writes += 1
-    assert valid_writes == 50
-    assert len(versions_seen) >= 25, "the kills must land during bursts of writes"
+    assert valid_writes == KILLS
+    assert len(versions_seen) >= KILLS // 2, "the kills must land during bursts of writes"
     assert not list(tmp_path.glob("state.json.corrupt-*"))
 
 
