@@ -105,13 +105,19 @@ class Bucket:
         return min(self.capacity, self._level + self.rate * elapsed)
 
     def _sync(self, now: float) -> None:
-        if now > self._at:
-            self._level = self.level(now)
+        at = self._at
+        if now > at:
+            level = self._level + self.rate * (now - at)
+            self._level = min(self.capacity, level)
             self._at = now
 
     def take(self, amount: float, now: float) -> None:
         """Spend ``amount``; the level goes below 0 only for a request larger than the whole window."""
-        self._sync(now)
+        at = self._at
+        if now > at:
+            level = self._level + self.rate * (now - at)
+            self._level = min(self.capacity, level)
+            self._at = now
         self._level -= amount
         recent = self._recent
         recent.append((now, amount))
@@ -125,6 +131,14 @@ class Bucket:
     def wait_for(self, amount: float, now: float) -> float:
         """Seconds until ``amount`` may be taken (0.0: now). More than the whole capacity waits for a full
         bucket, then may be taken."""
+        at = self._at
+        if at <= now:  # the usual case, without the calls
+            level = self._level
+            if now > at:
+                level += self.rate * (now - at)
+                level = min(level, self.capacity)
+            missing = (min(self.capacity, amount)) - level - self.rate * _SLACK_SECONDS
+            return 0.0 if missing <= 0 else missing / self.rate
         need = min(amount, self.capacity)
         start = max(now, self._at)
         level = self.level(start)
@@ -386,6 +400,17 @@ class WindowBook:
         if entry is not None:
             entry.hits = hits
             entry.bucket.empty_until(until, now)
+
+    def correct_all(self, key: str | None, group: str, remaining: Mapping[str, float], now: float,
+                    answered_at: float) -> None:
+        """``correct`` for each window of ``remaining``, looked up once."""
+        if not remaining:
+            return
+        for entry in self._windows(key, group, now):
+            left = remaining.get(entry.name)
+            if left is not None:
+                bucket = entry.bucket
+                bucket.correct(left - bucket.taken_since(answered_at), now)
 
     def correct(self, key: str | None, group: str, window: str, remaining: float, now: float,
                 answered_at: float | None = None) -> None:
