@@ -120,25 +120,23 @@ class Windowing:
         if self.learn:
             raw = tuple(map(get, self.limit_headers))
             if raw != self.unannounced:
-                self._announced(backend, key, group, raw)
+                last = self.announced.get((key, group))
+                if last is None or last[0] != raw or time.time() - last[1] > _REPORT_AGAIN:
+                    self._announced(backend, key, group, raw)
         room = None
         for window, name, rounding in self.remaining_headers:
             value = get(name)
-            if value is not None:
-                left = header_count(value)
-                if left is not None:
-                    if room is None:
-                        room = {}
+            if value is not None and (left := header_count(value)) is not None:
+                if room is None:
+                    room = {window: left + rounding}
+                else:
                     room[window] = left + rounding
         if room is not None:
             backend.report_window_remaining(self.provider, key, group, room, sent_at)
 
     def _announced(self, backend: Backend, key: str | None, group: str, raw: tuple[str | None, ...]) -> None:
-        """Limits announced: reported when they differ from the last ones of (key, group), or those are old."""
+        """Limits announced that differ from the last ones of (key, group), or the same again after a while."""
         now = time.time()
-        last = self.announced.get((key, group))
-        if last is not None and last[0] == raw and now - last[1] <= _REPORT_AGAIN:
-            return
         limits = window_limits(self.dialect, {name: value for name, value in zip(self.limit_headers, raw)
                                               if value is not None})
         if len(self.announced) >= _KEPT:

@@ -335,8 +335,8 @@ class WindowBook:
         wait = 0.0
         for window in self._windows(key, group, now):
             amount = cost.get(window.name)
-            if amount:
-                wait = max(wait, window.bucket.wait_for(amount, now))
+            if amount and (waited := window.bucket.wait_for(amount, now)):
+                wait = max(wait, waited)
         return wait
 
     def blocked_by(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> list[WindowId]:
@@ -410,7 +410,10 @@ class WindowBook:
             left = remaining.get(entry.name)
             if left is not None:
                 bucket = entry.bucket
-                bucket.correct(left - bucket.taken_since(answered_at), now)
+                recent = bucket._recent
+                if recent and recent[-1][0] > answered_at:  # sent since it answered
+                    left -= bucket.taken_since(answered_at)
+                bucket.correct(left, now)
 
     def correct(self, key: str | None, group: str, window: str, remaining: float, now: float,
                 answered_at: float | None = None) -> None:

@@ -516,7 +516,10 @@ def _check(dialect: str, windows: Collection[str]) -> None:
 _CHECKED_KEPT = 64
 
 _MAX_MARK = b'"max_'
-_MAX_VALUE = re.compile(rb'"(?:max_tokens|max_output_tokens|max_completion_tokens)"\s*:\s*(-?\d{1,18})(?=[\s,}])')
+_BACKSLASH = ord("\\")
+_LAST_MAX = re.compile(
+    rb'"(?:max_tokens|max_output_tokens|max_completion_tokens)"\s*:\s*(-?\d{1,18})(?=[\s,}])[^}]*\}\s*\Z')
+"""A maximum followed by one ``}``, the body's last byte but whitespace: the object it is in is the body's."""
 
 
 class RequestBody(Mapping[str, Any]):
@@ -556,13 +559,11 @@ class RequestBody(Mapping[str, Any]):
             at = body.find(_MAX_MARK)
             if at < 0:
                 return None
-            if body.find(_MAX_MARK, at + 1) < 0 and body[at - 1:at] != b"\\":
-                found = _MAX_VALUE.match(body, at)
+            if body.find(_MAX_MARK, at + 1) < 0 and (at == 0 or body[at - 1] != _BACKSLASH):
+                found = _LAST_MAX.match(body, at)
                 if found is not None:
-                    close = body.find(b"}", found.end())
-                    if close >= 0 and body.find(b"}", close + 1) < 0 and not body[close + 1:].strip():
-                        value = int(found.group(1))
-                        return value if value > 0 else None
+                    value = int(found.group(1))
+                    return value if value > 0 else None
         return _max_output(self.parsed())
 
 
