@@ -51,7 +51,12 @@ VARIANTS = {
                    "name from the body, no ledger row, no aggregates, no token counters)",
     "server": "the relay itself replaced by the bare relay's handler (what is left is slotproxy's server: "
               "connection limits, the guard, the answers)",
+    "windows": "token windows ON (tokens and requests per minute far above what is sent, nothing is held: "
+               "the estimate, the windows' bookkeeping, the answer's x-ratelimit headers read, the settling)",
 }
+"""Each part a variant switches off, except ``windows``, which adds one: with it in a run, the upstream
+announces ``common.RATE_LIMIT_HEADERS`` to every path, so the pair differs by the windows alone."""
+WINDOWS = "{tokens_per_minute: 1000000000, requests_per_minute: 1000000000}"
 
 
 def _switch_off(parts: set[str]) -> None:
@@ -98,6 +103,23 @@ async def _bare_relay_handler(request: Any, state: Any, provider: str, rest: str
                                    streaming=False)
 
 
+def variant_config(variant: str, config: str) -> str:
+    """The bench's config (one provider, ``bench``) as ``variant`` runs it: with ``windows``, the provider
+    holds token windows."""
+    if variant != "windows":
+        return config
+    if config.count("  bench: {") != 1:
+        raise ValueError("the windows variant needs the config's one provider written as `  bench: {...}`")
+    return config.replace("  bench: {", f"  bench: {{windows: {WINDOWS}, ", 1)
+
+
+def labelled(variant: str) -> str:
+    """How reports name slotproxy as ``variant`` runs it."""
+    if variant == "full":
+        return "slotproxy"
+    return "slotproxy, windows on" if variant == "windows" else f"slotproxy, {variant} off"
+
+
 def variants(text: str) -> list[str]:
     """``--variants``: comma-separated names of ``VARIANTS`` (an argparse type: a wrong name is refused)."""
     names = text.split(",")
@@ -108,7 +130,7 @@ def variants(text: str) -> list[str]:
 
 
 def serve(variant: str, argv: list[str]) -> int:
-    parts = {"slot", "priority", "headers", "guard"} if variant == "all" else {variant} - {"full"}
+    parts = {"slot", "priority", "headers", "guard"} if variant == "all" else {variant} - {"full", "windows"}
     _switch_off(parts)
     from proxy.cli import main
     return main(argv)
@@ -120,12 +142,13 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
     procs = Processes(workdir)
     try:
         static_port = free_port()
-        start_nginx(procs, "nginx-static", static_nginx_conf(workdir / "nginx-static", static_port), "/")
+        start_nginx(procs, "nginx-static", static_nginx_conf(workdir / "nginx-static", static_port,
+                                                             rate_limit_headers="windows" in args.variants), "/")
         targets: dict[str, tuple[str, list[int]]] = {}
         for variant in args.variants:
             port = free_port()
             config = workdir / f"{variant}.yaml"
-            config.write_text(slotproxy_yaml(port, {"bench": f"http://{HOST}:{static_port}"}))
+            config.write_text(variant_config(variant, slotproxy_yaml(port, {"bench": f"http://{HOST}:{static_port}"})))
             proc = procs.start(variant, [sys.executable, __file__, "--serve", variant, "serve", "--config", str(config),
                                          "--port", str(port), "--log-level", "WARNING"])
             wait_http(f"http://{HOST}:{port}/healthz", proc, variant, require_200=False)

@@ -487,11 +487,27 @@ def nginx_head(prefix: Path) -> str:
     )
 
 
-def static_nginx_conf(prefix: Path, port: int) -> str:
-    """nginx answering every request (POST included) with a fixed small JSON, at once."""
+RATE_LIMIT_HEADERS = {
+    "x-ratelimit-limit-requests": "1000000000",
+    "x-ratelimit-limit-tokens": "1000000000",
+    "x-ratelimit-remaining-requests": "9999999$connection_requests",
+    "x-ratelimit-remaining-tokens": "9999999$connection_requests",
+    "x-ratelimit-reset-requests": "6ms",
+    "x-ratelimit-reset-tokens": "6ms",
+}
+"""The windows OpenAI announces on every answer, far above what a bench sends: the limits fixed, the room
+changing with each answer (``$connection_requests`` after nines: never below a tenth of the limit)."""
+
+
+def static_nginx_conf(prefix: Path, port: int, *, rate_limit_headers: bool = False) -> str:
+    """nginx answering every request (POST included) with a fixed small JSON, at once (with
+    ``rate_limit_headers``, announcing ``RATE_LIMIT_HEADERS`` as OpenAI does)."""
+    added = "".join(f"            add_header {name} {value};\n"
+                    for name, value in RATE_LIMIT_HEADERS.items()) if rate_limit_headers else ""
     return nginx_head(prefix) + (
         f"    server {{\n        listen {HOST}:{port};\n"
         "        location / {\n            default_type application/json;\n"
+        f"{added}"
         f"            return 200 '{STATIC_REPLY}';\n        }}\n    }}\n}}\n"
     )
 

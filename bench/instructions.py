@@ -52,7 +52,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ablate import VARIANTS, variants
+from ablate import VARIANTS, labelled, variant_config, variants
 from common import (
     HOST,
     Processes,
@@ -186,32 +186,35 @@ class Counted:
         raise RuntimeError(f"{self.name}: callgrind wrote no totals to {path}")
 
 
-def config_text(port: int, upstream: str, backend: str, redis_url: str) -> str:
+def config_text(port: int, upstream: str, backend: str, redis_url: str, variant: str = "full") -> str:
     """``ceiling.py``'s config on the memory backend; with ``--backends`` naming redis, the config of
-    ``redis_backend.py`` (``limit: 10000``, so a slot is taken and given back in Redis) on either backend."""
+    ``redis_backend.py`` (``limit: 10000``, so a slot is taken and given back in Redis) on either backend.
+    The ``windows`` variant adds its windows to either."""
     if backend == "memory" and redis_url == "":
-        return slotproxy_yaml(port, {"bench": upstream})
-    return config_yaml(port, backend_yaml(backend, redis_url, f"slotproxy-instructions-{port}"), "bench", upstream,
-                       limit=10_000)
+        return variant_config(variant, slotproxy_yaml(port, {"bench": upstream}))
+    return variant_config(variant, config_yaml(port, backend_yaml(backend, redis_url, f"slotproxy-instructions-{port}"),
+                                               "bench", upstream, limit=10_000))
 
 
 def start_targets(procs: Processes, args: argparse.Namespace, upstream_port: int) -> list[Counted]:
     """slotproxy (each ``--variants`` one, run by ``ablate.py``; then the ``--tree`` one), on each of
     ``--backends``, and the bare relay."""
     upstream = f"http://{HOST}:{upstream_port}"
-    launches: list[tuple[str, list[str], Path | None]] = []
+    launches: list[tuple[str, list[str], Path | None, str]] = []
     for variant in args.variants:
-        name = "slotproxy" if variant == "full" else f"slotproxy, {variant} off"
-        launches.append((name, [sys.executable, str(Path(__file__).with_name("ablate.py")), "--serve", variant], None))
+        launches.append((labelled(variant), [sys.executable, str(Path(__file__).with_name("ablate.py")), "--serve",
+                                             variant], None, variant))
     if args.tree:
-        launches.append(("slotproxy (--tree)", [sys.executable, "-m", "proxy"], Path(args.tree).resolve()))
+        tree_variant = "windows" if args.tree_windows else "full"
+        launches.append((labelled(tree_variant).replace("slotproxy", "slotproxy (--tree)", 1),
+                         [sys.executable, "-m", "proxy"], Path(args.tree).resolve(), tree_variant))
     redis_url = args.redis_url if "redis" in args.backends else ""
     targets = []
-    for name, launcher, tree in launches:
+    for name, launcher, tree, variant in launches:
         for backend in args.backends:
             port = free_port()
             config = procs.workdir / f"slotproxy-{port}.yaml"
-            config.write_text(config_text(port, upstream, backend, redis_url))
+            config.write_text(config_text(port, upstream, backend, redis_url, variant))
             argv = [*launcher, "serve", "--config", str(config), "--port", str(port), "--log-level", "WARNING"]
             label = name if args.backends == ["memory"] else f"{name}, {backend}"
             targets.append(Counted(procs, label, argv, port, cwd=tree))
@@ -248,7 +251,9 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
     procs = Processes(workdir)
     try:
         static_port = free_port()
-        start_nginx(procs, "nginx-static", static_nginx_conf(workdir / "nginx-static", static_port), "/")
+        announce = "windows" in args.variants or args.tree_windows
+        start_nginx(procs, "nginx-static", static_nginx_conf(workdir / "nginx-static", static_port,
+                                                             rate_limit_headers=announce), "/")
         targets = start_targets(procs, args, static_port)
         results: dict[str, list[float]] = {target.name: [] for target in targets}
         for number in range(1, args.rounds + 1):
@@ -292,6 +297,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
                         help="the Redis of --backends redis (default redis://127.0.0.1:6379/0)")
     parser.add_argument("--tree", help="also count slotproxy from this checkout (a git worktree of another revision)")
+    parser.add_argument("--tree-windows", action="store_true",
+                        help="run the --tree slotproxy with the windows variant's config (token windows on)")
     parser.add_argument("--keep", metavar="DIR",
                         help="keep each target's last callgrind file in DIR (read with callgrind_annotate)")
     args = parser.parse_args(argv)

@@ -8,7 +8,6 @@ provider without windows has none, and its requests do no window work at all.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Mapping
@@ -19,7 +18,7 @@ from ..config.windows import DIALECT_WINDOWS
 from ..limiter import SlotLease, policy
 from ..limiter.window import OTHER_GROUP
 from ..providers.budgets import header_count
-from ..providers.estimate import Estimate, Estimator, actual_for
+from ..providers.estimate import Estimate, Estimator, RequestBody, actual_for
 from ..providers.model_name import request_model
 from ..providers.tokens import TokenCounts, UsageReader
 from ..providers.window_signals import (
@@ -49,8 +48,8 @@ _REPORT_AGAIN = 30.0
 class Windowing:
     """One provider's windows as the relay sees them; the estimator outlives config reloads."""
 
-    __slots__ = ("announced", "applies", "dialect", "estimator", "header_names", "headroom", "keys", "learn",
-                 "limit_headers", "patterns", "provider", "remaining_headers", "rules")
+    __slots__ = ("announced", "applies", "dialect", "estimator", "headroom", "keys", "learn", "limit_headers",
+                 "patterns", "provider", "remaining_headers", "rules", "unannounced")
 
     def __init__(self, provider: str, dialect: Dialect, *, patterns: tuple[str, ...], keys: tuple[str, ...],
                  learn: bool, headroom: float, estimator: Estimator | None = None) -> None:
@@ -64,10 +63,11 @@ class Windowing:
         self.headroom = headroom
         self.estimator = estimator or Estimator()
         self.rules = SETTLE_RULES[dialect]
-        self.header_names = HEADER_NAMES[dialect]
-        self.remaining_headers = REMAINING_HEADERS[dialect]
-        self.limit_headers = self.header_names[::3]
+        self.limit_headers = HEADER_NAMES[dialect][::3]
         """Each window's ``-limit`` header (the first of its three)."""
+        self.unannounced = (None,) * len(self.limit_headers)
+        self.remaining_headers = REMAINING_HEADERS[dialect]
+        """(window, its ``-remaining`` header)."""
         self.announced: dict[tuple[str | None, str], tuple[tuple[str | None, ...], float]] = {}
         """The limit headers last announced for each (key, group), and when they were reported: an answer
         repeating them soon after reports nothing."""
@@ -113,34 +113,37 @@ class Windowing:
     def answered(self, backend: Backend, key: str | None, group: str, headers: Mapping[str, str],
                  sent_at: float) -> None:
         """An answer's headers (any status): the limits it announces (with ``learn``), and the room left,
-        which only ever lowers the room believed (Anthropic's rounding to the thousand allowed for)."""
-        picked = {}
-        for name in self.header_names:  # the answer's headers are case-insensitive: no need to fold them all
-            value = headers.get(name)
-            if value is not None:
-                picked[name] = value
-        if not picked:
-            return
-        provider, dialect = self.provider, self.dialect
+        which only ever lowers the room believed (Anthropic's rounding to the thousand allowed for by the core:
+        ``limiter.window.ROUNDED_REMAINING``)."""
+        get = headers.get  # the answer's headers are case-insensitive: only the few names are looked up
         if self.learn:
-            raw = tuple(picked.get(name) for name in self.limit_headers)
-            now = time.time()
-            last = self.announced.get((key, group))
-            if last is None or last[0] != raw or now - last[1] > _REPORT_AGAIN:
-                limits = window_limits(dialect, picked)
-                if len(self.announced) >= _KEPT:
-                    self.announced.clear()
-                self.announced[(key, group)] = (raw, now)
-                self.applies.clear()
-                if limits:
-                    backend.report_window_limits(provider, key, group, limits)
-        room = {}
+            raw = tuple(map(get, self.limit_headers))
+            if raw != self.unannounced:
+                last = self.announced.get((key, group))
+                if last is None or last[0] != raw or time.time() - last[1] > _REPORT_AGAIN:
+                    self._announced(backend, key, group, raw)
+        room = None
         for window, name in self.remaining_headers:
-            left = header_count(picked.get(name))
-            if left is not None:
-                room[window] = left
-        if room:
-            backend.report_window_remaining(provider, key, group, room, sent_at)
+            value = get(name)
+            if value is not None and (left := header_count(value)) is not None:
+                if room is None:
+                    room = {window: left}
+                else:
+                    room[window] = left
+        if room is not None:
+            backend.report_window_remaining(self.provider, key, group, room, sent_at)
+
+    def _announced(self, backend: Backend, key: str | None, group: str, raw: tuple[str | None, ...]) -> None:
+        """Limits announced that differ from the last ones of (key, group), or the same again after a while."""
+        now = time.time()
+        limits = window_limits(self.dialect, {name: value for name, value in zip(self.limit_headers, raw)
+                                              if value is not None})
+        if len(self.announced) >= _KEPT:
+            self.announced.clear()
+        self.announced[(key, group)] = (raw, now)
+        self.applies.clear()
+        if limits:
+            backend.report_window_limits(self.provider, key, group, limits)
 
     def hit(self, backend: Backend, key: str | None, group: str, status: int, headers: Mapping[str, str],
             body: bytes | str | None, wait: float | None) -> str | None:
@@ -174,7 +177,6 @@ class Windowing:
         without usage keeps its estimate."""
         if counts is None:
             return
-        dialect = self.dialect
         inputs, cached, written, output = (counts.input_tokens, counts.cached_input_tokens,
                                            counts.cache_write_tokens, counts.output_tokens)
         self.estimator.learn(key=lease.key, group=group, estimate=estimate, input_tokens=inputs,
@@ -182,10 +184,11 @@ class Windowing:
         cost = lease.cost
         if cost is None:
             return
-        rules = self.rules
+        dialect, rules = self.dialect, self.rules
         actual = {window: actual_for(dialect, window, inputs, cached, written, output)
                   for window in rules if window in cost}
-        if actual:
+        if actual and any(rules[window] != "charge_beyond" or spent > cost[window]
+                          for window, spent in actual.items()):
             backend.settle_windows(self.provider, lease, actual, rules)
 
     def status(self, row: dict[str, Any]) -> None:
@@ -193,22 +196,27 @@ class Windowing:
         row.update(self.estimator.status(None, row["group"], row["window"]))
 
 
-def parsed_request(path: str, body: bytes) -> tuple[str | None, dict[str, Any]]:
-    """The model a request names and its parsed body (one parse; {} when it is not a JSON object): the
-    path's model (Gemini-style), else the body's top-level ``model``, or a WebSocket frame's ``response``'s."""
-    try:
-        data = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        data = None
-    request: dict[str, Any] = data if isinstance(data, dict) else {}
+def parsed_request(path: str, body: bytes) -> tuple[str | None, Mapping[str, Any]]:
+    """The model a request names and its body, parsed on first look ({} when it is not a JSON object): the
+    path's model (Gemini-style), else the body's top-level ``model``, or a WebSocket frame's ``response``'s.
+    A body that opens with its ``model`` and names no other is not parsed for it."""
+    request = RequestBody(body)
     in_path = request_model(path, b"") if "models/" in path else None
     if in_path is not None:
         return in_path, request
+    leading = _LEADING_MODEL.match(body, 0, _SCAN)
+    if leading is not None and body.find(b'"model"', leading.end()) < 0:
+        return leading.group(1).decode(), request
     model = request.get("model")
     if not (isinstance(model, str) and model):
         nested = request.get("response")
         model = nested.get("model") if isinstance(nested, dict) else None
     return (model if isinstance(model, str) and model else None), request
+
+
+_LEADING_MODEL = re.compile(rb'\s*\{\s*"model"\s*:\s*"([\x20\x21\x23-\x5b\x5d-\x7e]{1,256})"')
+"""A body opening with its ``model``, a plain string (printable ASCII, no quote or backslash)."""
+_SCAN = 1024
 
 
 _RESPONSE_ID = re.compile(rb'"response"\s*:\s*\{\s*"id"\s*:\s*"([^"\\]{1,256})"')

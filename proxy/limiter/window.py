@@ -110,13 +110,19 @@ class Bucket:
         return min(self.capacity, self._level + self.rate * elapsed)
 
     def _sync(self, now: float) -> None:
-        if now > self._at:
-            self._level = self.level(now)
+        at = self._at
+        if now > at:
+            level = self._level + self.rate * (now - at)
+            self._level = min(self.capacity, level)
             self._at = now
 
     def take(self, amount: float, now: float) -> None:
         """Spend ``amount``; the level goes below 0 only for a request larger than the whole window."""
-        self._sync(now)
+        at = self._at
+        if now > at:
+            level = self._level + self.rate * (now - at)
+            self._level = min(self.capacity, level)
+            self._at = now
         self._level -= amount
         recent = self._recent
         recent.append((now, amount))
@@ -130,6 +136,14 @@ class Bucket:
     def wait_for(self, amount: float, now: float) -> float:
         """Seconds until ``amount`` may be taken (0.0: now). More than the whole capacity waits for a full
         bucket, then may be taken."""
+        at = self._at
+        if at <= now:  # the usual case, without the calls
+            level = self._level
+            if now > at:
+                level += self.rate * (now - at)
+                level = min(level, self.capacity)
+            missing = (min(self.capacity, amount)) - level - self.rate * _SLACK_SECONDS
+            return 0.0 if missing <= 0 else missing / self.rate
         need = min(amount, self.capacity)
         start = max(now, self._at)
         level = self.level(start)
@@ -330,8 +344,8 @@ class WindowBook:
         wait = 0.0
         for window in self._windows(key, group, now):
             amount = cost.get(window.name)
-            if amount:
-                wait = max(wait, window.bucket.wait_for(amount, now))
+            if amount and (waited := window.bucket.wait_for(amount, now)):
+                wait = max(wait, waited)
         return wait
 
     def blocked_by(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> list[WindowId]:
@@ -396,16 +410,22 @@ class WindowBook:
             entry.hits = hits
             entry.bucket.empty_until(until, now)
 
-    def correct(self, key: str | None, group: str, window: str, remaining: float, now: float,
-                answered_at: float | None = None) -> None:
-        """The provider announced ``remaining`` at ``answered_at``: the room believed is never more than
-        that, less what was sent since."""
-        entry = self._window(key, group, window, now)
-        if entry is None:
+    def correct_all(self, key: str | None, group: str, remaining: Mapping[str, float], now: float,
+                    answered_at: float) -> None:
+        """The provider announced ``remaining`` (by window) at ``answered_at``: the room believed is never more
+        than that, less what was sent since, beyond the announcement's rounding (``ROUNDED_REMAINING``; an
+        announced 0 stands for 0 and up)."""
+        if not remaining:
             return
-        sent_since = 0.0 if answered_at is None else entry.bucket.taken_since(answered_at)
-        slack = min(ROUNDED_REMAINING.get(window, 0.0), max(remaining, 0.0))  # an announced 0 stands for 0 up
-        entry.bucket.correct(remaining - sent_since, now, slack)
+        for entry in self._windows(key, group, now):
+            announced = remaining.get(entry.name)
+            if announced is not None:
+                bucket = entry.bucket
+                slack = min(ROUNDED_REMAINING.get(entry.name, 0.0), max(announced, 0.0))
+                recent = bucket._recent
+                if recent and recent[-1][0] > answered_at:  # sent since it answered
+                    announced -= bucket.taken_since(answered_at)
+                bucket.correct(announced, now, slack)
 
     # ----- observing -------------------------------------------------------------
 

@@ -167,9 +167,7 @@ class ProviderWindows:
                                 answered_at: float) -> None:
         """What an answer at ``answered_at`` said was left: the room believed is never more than that, less
         what was sent since."""
-        now = self._clock.time()
-        for window, left in remaining.items():
-            self.book.correct(key, group or OTHER_GROUP, window, left, now, answered_at)
+        self.book.correct_all(key, group or OTHER_GROUP, remaining, self._clock.time(), answered_at)
 
     def beyond_windows(self, lease: Lease) -> list[str]:
         """The windows ``lease``'s cost exceeds whole: a window 429 on such a request is relayed, not retried."""

@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator, Mapping
@@ -50,7 +51,7 @@ from typing import Any, cast
 
 __all__ = [
     "INPUT_WINDOW", "OUTPUT_WINDOW", "REQUESTS_WINDOW", "TOKENS_WINDOW",
-    "Estimate", "Estimator", "actual_for",
+    "Estimate", "Estimator", "RequestBody", "actual_for",
 ]
 
 INPUT_WINDOW = "input_tokens_per_minute"
@@ -89,7 +90,7 @@ class _CacheNote:
     breakpoints: tuple[tuple[bytes, float], ...]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Estimate:
     """What one request is expected to cost: ``cost`` per window asked for; ``input`` all its input tokens
     (cache reads included), ``cache_read`` the part the mirrored cache says will be read."""
@@ -125,16 +126,14 @@ def actual_for(dialect: str, window: str, input_tokens: int, cached_read: int, c
 
 
 class _Recent:
-    """The last ``RECENT`` values, with their p50 and p90 kept up to date (in order as well as in arrival
-    order: one insertion per answer, not a sort)."""
+    """The last ``RECENT`` values, kept in order as well as in arrival order (one insertion per answer, not
+    a sort): the ratio and output histories, whose p90 each estimate reads."""
 
-    __slots__ = ("ordered", "p50", "p90", "values")
+    __slots__ = ("ordered", "values")
 
     def __init__(self) -> None:
         self.values: deque[float] = deque()
         self.ordered: list[float] = []
-        self.p50: float | None = None
-        self.p90: float | None = None
 
     def add(self, value: float) -> None:
         values, ordered = self.values, self.ordered
@@ -142,8 +141,35 @@ class _Recent:
         if len(values) > RECENT:
             del ordered[bisect_left(ordered, values.popleft())]
         insort(ordered, value)
-        self.p50 = _percentile(ordered, 0.5)
-        self.p90 = _percentile(ordered, 0.9)
+
+    @property
+    def p50(self) -> float | None:
+        return _percentile(self.ordered, 0.5) if self.ordered else None
+
+    @property
+    def p90(self) -> float | None:
+        ordered = self.ordered
+        return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)] if ordered else None
+
+
+class _Errors:
+    """The last ``RECENT`` estimate errors, only read by status: kept in arrival order, sorted when read."""
+
+    __slots__ = ("values",)
+
+    def __init__(self) -> None:
+        self.values: deque[float] = deque(maxlen=RECENT)
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    @property
+    def p50(self) -> float | None:
+        return _percentile(sorted(self.values), 0.5) if self.values else None
+
+    @property
+    def p90(self) -> float | None:
+        return _percentile(sorted(self.values), 0.9) if self.values else None
 
 
 class _Group:
@@ -153,7 +179,7 @@ class _Group:
         self.ratios = _Recent()
         self.outputs = _Recent()
         self.images = _Recent()
-        self.errors: dict[str, _Recent] = {}
+        self.errors: dict[str, _Errors] = {}
         self.raised = 1.0
 
     def ratio(self) -> float:
@@ -177,32 +203,38 @@ class Estimator:
         """A prefix's digest (its key, group and model are hashed in) -> (expires at, lifetime)."""
         self._groups_kept = groups_kept
         self._prefixes_kept = prefixes_kept
+        self._checked: dict[tuple[str, object], bool] = {}
+        """(dialect, windows) already found valid: whether a token window is among them."""
 
     def estimate(self, *, dialect: str, key: str | None, group: str, body: bytes,
                  request: Mapping[str, Any] | None, windows: Collection[str],
                  continuation: tuple[int, int] | None = None, now: float) -> Estimate:
         """The cost of a request about to be sent. ``request`` is the parsed ``body`` when the caller has
         it (the body is parsed here otherwise, once, and only when a token window needs it)."""
-        if dialect not in _DIALECTS:
-            raise ValueError(f"unknown provider dialect {dialect!r}: it is 'anthropic' or 'openai'")
-        for window in windows:
-            if window not in _WINDOWS:
-                raise ValueError(_unknown_window(window))
+        checked = (dialect, windows)
+        tokens = self._checked.get(checked)
+        if tokens is None:
+            _check(dialect, windows)
+            tokens = any(window != REQUESTS_WINDOW for window in windows)
+            if type(windows) is tuple and len(self._checked) < _CHECKED_KEPT:
+                self._checked[checked] = tokens
         stats = self._group(group)
         ratio = stats.ratio()
         carried = float(sum(continuation)) if continuation is not None else 0.0
-        if not any(window != REQUESTS_WINDOW for window in windows):
+        if not tokens:
             return Estimate({w: 1.0 for w in windows}, len(body), 0.0, len(body) * ratio + carried, 0.0,
                             dialect, carried)
         if request is None:
-            request = _parsed(body)
-        media = _Media()
+            request = RequestBody(body)
+        images = 0
+        counted = len(body)
         if _MEDIA_MARK in body:
-            _find_media(request, media)
-        counted = len(body) - media.payload
-        image_tokens = stats.image_tokens()
-        total_input = counted * ratio + media.images * image_tokens + carried
-        asked = _max_output(request)
+            media = _Media()
+            _find_media(_as_parsed(request), media)
+            images, counted = media.images, counted - media.payload
+        image_tokens = stats.image_tokens() if images or dialect == "anthropic" else 0.0
+        total_input = counted * ratio + images * image_tokens + carried
+        asked = request.max_output() if type(request) is RequestBody else _max_output(request)
         history = stats.outputs.p90
         if history is None:
             output = float(asked if asked is not None else PRIOR_OUTPUT)
@@ -210,7 +242,8 @@ class Estimator:
             output = history if asked is None else min(history, float(asked))
         read, note = 0.0, None
         if dialect == "anthropic" and INPUT_WINDOW in windows and continuation is None and _CACHE_MARK in body:
-            read, note = self._mirror(key, group, request, counted, ratio, image_tokens, media.images > 0, now)
+            read, note = self._mirror(key, group, _as_parsed(request), counted, ratio, image_tokens, images > 0,
+                                      now)
         cost = {}
         for window in windows:
             if window == INPUT_WINDOW:
@@ -221,7 +254,7 @@ class Estimator:
                 cost[window] = max(float(asked), total_input) if asked is not None else total_input + output
             else:
                 cost[window] = 1.0
-        return Estimate(cost, counted, read, total_input, output, dialect, carried, media.images, note)
+        return Estimate(cost, counted, read, total_input, output, dialect, carried, images, note)
 
     def learn(self, *, key: str | None, group: str, estimate: Estimate, input_tokens: int, cached_read: int,
               output_tokens: int, now: float, cache_write: int | None = None) -> None:
@@ -236,14 +269,17 @@ class Estimator:
         elif estimate.input_bytes > 0 and not estimate.carried and input_tokens > 0:
             stats.ratios.add(min(MAX_RATIO, input_tokens / estimate.input_bytes))
         stats.outputs.add(float(output_tokens))
-        stats.raised = 1.0 + (stats.raised - 1.0) * RAISE_KEPT
+        if stats.raised != 1.0:
+            stats.raised = 1.0 + (stats.raised - 1.0) * RAISE_KEPT
+        errors = stats.errors
         if estimate.input > 0:
-            _errors(stats, _ERRORS_OF_INPUT).add(input_tokens / estimate.input - 1.0)
+            (errors.get(_ERRORS_OF_INPUT) or _errors(stats, _ERRORS_OF_INPUT)).add(
+                input_tokens / estimate.input - 1.0)
         for window, charged in estimate.cost.items():
             if window != REQUESTS_WINDOW and charged > 0:
                 actual = actual_for(estimate.dialect, window, input_tokens, cached_read, cache_write or 0,
                                     output_tokens)
-                _errors(stats, window).add(actual / charged - 1.0)
+                (errors.get(window) or _errors(stats, window)).add(actual / charged - 1.0)
         if estimate.cache is not None:
             self._learn_cache(estimate.cache, cached_read, cache_write, now)
 
@@ -469,18 +505,84 @@ def _max_output(request: Mapping[str, Any]) -> int | None:
     return max(found) if found else None
 
 
-def _parsed(body: bytes) -> Mapping[str, Any]:
+def _check(dialect: str, windows: Collection[str]) -> None:
+    if dialect not in _DIALECTS:
+        raise ValueError(f"unknown provider dialect {dialect!r}: it is 'anthropic' or 'openai'")
+    for window in windows:
+        if window not in _WINDOWS:
+            raise ValueError(_unknown_window(window))
+
+
+_CHECKED_KEPT = 64
+
+_MAX_MARK = b'"max_'
+_BACKSLASH = ord("\\")
+_LAST_MAX = re.compile(
+    rb'"(?:max_tokens|max_output_tokens|max_completion_tokens)"\s*:\s*(-?\d{1,18})(?=[\s,}])[^}]*\}\s*\Z')
+"""A maximum followed by one ``}``, the body's last byte but whitespace: the object it is in is the body's."""
+
+
+class RequestBody(Mapping[str, Any]):
+    """A request's JSON body, parsed on first look ({} when it is not a JSON object). OpenAI's windows need
+    only its bytes and its output maximum, which ``max_output`` reads without a parse when the body names
+    one once, after its objects (as SDKs write it, after the messages)."""
+
+    __slots__ = ("_data", "body")
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self._data: dict[str, Any] | None = None
+
+    def parsed(self) -> dict[str, Any]:
+        data = self._data
+        if data is None:
+            data = self._data = _parsed(self.body)
+        return data
+
+    def __getitem__(self, name: str) -> Any:
+        return self.parsed()[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.parsed().get(name, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parsed())
+
+    def __len__(self) -> int:
+        return len(self.parsed())
+
+    def max_output(self) -> int | None:
+        """``_max_output`` of the parsed body, read from its bytes when they settle it: the body names one
+        maximum, and the only ``}`` after it is the body's last byte, so the object it is in is the body's."""
+        if self._data is None:
+            body = self.body
+            at = body.find(_MAX_MARK)
+            if at < 0:
+                return None
+            if body.find(_MAX_MARK, at + 1) < 0 and (at == 0 or body[at - 1] != _BACKSLASH):
+                found = _LAST_MAX.match(body, at)
+                if found is not None:
+                    value = int(found.group(1))
+                    return value if value > 0 else None
+        return _max_output(self.parsed())
+
+
+def _as_parsed(request: Mapping[str, Any]) -> Mapping[str, Any]:
+    return request.parsed() if type(request) is RequestBody else request
+
+
+def _parsed(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(body)
+        data = json.loads(body) if body else None
     except (ValueError, UnicodeDecodeError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def _errors(stats: _Group, name: str) -> _Recent:
+def _errors(stats: _Group, name: str) -> _Errors:
     recent = stats.errors.get(name)
     if recent is None:
-        recent = stats.errors[name] = _Recent()
+        recent = stats.errors[name] = _Errors()
     return recent
 
 

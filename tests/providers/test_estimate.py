@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from proxy.http.windows import parsed_request
 from proxy.providers.estimate import (
     INPUT_WINDOW,
     OUTPUT_WINDOW,
@@ -15,6 +16,7 @@ from proxy.providers.estimate import (
     TOKENS_WINDOW,
     Estimate,
     Estimator,
+    RequestBody,
     actual_for,
 )
 
@@ -370,3 +372,64 @@ def test_an_image_in_a_cached_prefix_is_read_at_its_image_tokens() -> None:
     again = estimate(estimator, later, now=5.0)
     assert again.cache_read == pytest.approx(first.input, rel=0.05)
     assert again.cost[INPUT_WINDOW] < 100
+
+
+SDK_CHAT = (b'{"model":"gpt-4.1","messages":[{"role":"user","content":"hi"}],"max_tokens":64,'
+            b'"temperature":0,"user":"u-1"}')
+MAXIMA = [
+    SDK_CHAT,
+    b'{"model":"m","messages":[],"max_completion_tokens": 250 }\n',
+    b'{"max_output_tokens":9,"input":"x"}',
+    b'{"model":"m","max_tokens":0}',
+    b'{"model":"m","max_tokens":-5}',
+    b'{"model":"m","max_tokens":4.5}',
+    b'{"model":"m","max_tokens":"12"}',
+    b'{"model":"m","max_tokens":8,"stop":["a","}"]}',
+    b'{"model":"m","metadata":{"max_tokens":7}}',
+    b'{"model":"m","metadata":{"max_tokens":7},"n":1}',
+    b'{"model":"m","max_tokens":5,"metadata":{"max_tokens":7}}',
+    b'{"model":"m","max_tokens":5,"max_completion_tokens":9}',
+    b'{"model":"m","max_tokens":5,"max_tokens":6}',
+    b'{"model":"m","messages":[{"role":"user","content":"say \\"max_tokens\\":99"}],"max_tokens":3}',
+    b'{"model":"m","messages":[{"role":"user","content":"\\"max_tokens\\":99}"}]}',
+    b'{"type":"response.create","response":{"model":"m","max_output_tokens":300}}',
+    b'{"model":"m"}',
+    b'{"model":"m","max_tokens":5',
+    b'[{"max_tokens":5}]',
+    b'',
+]
+
+
+@pytest.mark.parametrize("data", MAXIMA)
+def test_the_output_maximum_read_from_the_bytes_is_the_parsed_bodys(data: bytes) -> None:
+    parsed = RequestBody(data)
+    parsed.parsed()
+    assert RequestBody(data).max_output() == parsed.max_output()
+    estimator = Estimator()
+    assert (estimate(estimator, data, dialect="openai", windows=OPENAI).cost
+            == estimate(Estimator(), data, dialect="openai", windows=OPENAI, request=dict(parsed)).cost)
+
+
+def test_an_sdk_shaped_openai_body_is_estimated_without_a_parse() -> None:
+    request = RequestBody(SDK_CHAT)
+    made = Estimator().estimate(dialect="openai", key=None, group="gpt-4.1", body=SDK_CHAT, request=request,
+                                windows=OPENAI, now=1.0)
+    assert made.cost[TOKENS_WINDOW] == pytest.approx(max(64.0, len(SDK_CHAT) * 0.30))
+    assert request._data is None
+    model, body = parsed_request("chat/completions", SDK_CHAT)
+    assert model == "gpt-4.1"
+    assert isinstance(body, RequestBody) and body._data is None
+    assert parsed_request("", b'{"model":"a","x":{"model":"b"},"model":"c"}')[0] == "c"
+    assert parsed_request("", b'{"type":"response.create","response":{"model":"r"}}')[0] == "r"
+
+
+def test_error_percentiles_are_the_recent_estimates() -> None:
+    estimator = Estimator()
+    data = json.dumps({"model": "g", "messages": [{"role": "user", "content": "x" * 300}]}).encode()
+    for output in range(1, 61):
+        made = estimate(estimator, data, dialect="openai", windows=OPENAI, group="g")
+        estimator.learn(key=None, group="g", estimate=made, input_tokens=100, cached_read=0,
+                        output_tokens=output, now=1.0)
+    status = estimator.status(None, "g", TOKENS_WINDOW)
+    assert status["estimate_error_p50"] is not None and status["estimate_error_p90"] is not None
+    assert status["estimate_error_p50"] <= status["estimate_error_p90"]
