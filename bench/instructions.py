@@ -34,7 +34,9 @@ given back in Redis on every request; the Redis server's own work is not
 counted, as ``redis_backend.py`` does not bill it to slotproxy either).
 ``--tree DIR`` adds slotproxy as found in another checkout (``git worktree add
 /tmp/base <rev>``), measured the same way: the difference between two trees of
-the code, free of the machine's noise. Needs ``valgrind`` and ``nginx``.
+the code, free of the machine's noise (``--tree-windows``: with the ``windows`` variant's config). With
+``windows`` among the variants, the upstream announces OpenAI's ``x-ratelimit-*`` headers to every path.
+Needs ``valgrind`` and ``nginx``.
 """
 
 from __future__ import annotations
