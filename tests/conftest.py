@@ -168,3 +168,17 @@ def backend_yaml(request: pytest.FixtureRequest) -> Iterator[str]:
     prefix = f"slotproxy-test-{os.urandom(5).hex()}"
     yield f"backend: {{kind: redis, url: '{REDIS_URL}', key_prefix: {prefix}, lease_ttl: 2s}}\n"
     delete_prefix(REDIS_URL, prefix)
+
+
+async def ledger_rows(proxy: Proxy) -> list[dict[str, Any]]:
+    """Every row of the proxy's ledger file so far, oldest first, as dicts by column."""
+    import sqlite3
+
+    from proxy.ledger.store import COLUMNS
+
+    await proxy.state.ledger.flush()
+    path = proxy.state.ledger.path
+    assert path is not None
+    with sqlite3.connect(path) as connection:
+        cursor = connection.execute(f"SELECT {', '.join(COLUMNS)} FROM requests ORDER BY rowid")
+        return [dict(zip(COLUMNS, values, strict=True)) for values in cursor]

@@ -4,7 +4,6 @@ a body over ``server.max_body`` (with a Content-Length or chunked) and a client 
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -12,9 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.ledger.store import COLUMNS
-
-from ..conftest import Proxy, Upstream, chat, wait_until
+from ..conftest import Upstream, chat, wait_until
+from ..conftest import ledger_rows as rows
 from .test_bad_input import read_response
 
 MAX_BODY = 1024
@@ -24,15 +22,6 @@ def rig_yaml(upstream: Upstream, ledger: Path) -> str:
     return (f"state: {{path: null}}\nserver: {{max_body: {MAX_BODY}}}\nledger: {{path: '{ledger}'}}\n"
             f"providers:\n  openai:\n    upstream: {upstream.url}/v1\n"
             f"  anthropic:\n    upstream: {upstream.url}\n    auth: x-api-key\n")
-
-
-async def rows(proxy: Proxy) -> list[dict[str, Any]]:
-    await proxy.state.ledger.flush()
-    path = proxy.state.ledger.path
-    assert path is not None
-    with sqlite3.connect(path) as connection:
-        cursor = connection.execute(f"SELECT {', '.join(COLUMNS)} FROM requests ORDER BY rowid")
-        return [dict(zip(COLUMNS, values, strict=True)) for values in cursor]
 
 
 # --- the root ---------------------------------------------------------------------------------------------------

@@ -19,10 +19,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.ledger.store import COLUMNS
-
 from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
 from ..conftest import Proxy, Upstream, chat, free_port, wait_healthy, wait_until
+from ..conftest import ledger_rows as rows
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")
@@ -32,15 +31,6 @@ def ledger_yaml(upstream: Upstream, ledger: Path, *, extra: str = "", provider: 
     return (f"state: {{path: null}}\nledger: {{path: '{ledger}'}}\nproviders:\n"
             f"  openai:\n    upstream: {upstream.url}/v1\n{provider}"
             f"  anthropic:\n    upstream: {upstream.url}\n    auth: x-api-key\n{extra}")
-
-
-async def rows(proxy: Proxy) -> list[dict[str, Any]]:
-    await proxy.state.ledger.flush()
-    path = proxy.state.ledger.path
-    assert path is not None
-    with sqlite3.connect(path) as connection:
-        cursor = connection.execute(f"SELECT {', '.join(COLUMNS)} FROM requests ORDER BY rowid")
-        return [dict(zip(COLUMNS, values, strict=True)) for values in cursor]
 
 
 async def post(client: aiohttp.ClientSession, url: str, body: dict[str, Any], **headers: str) -> tuple[int, bytes]:
