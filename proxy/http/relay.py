@@ -237,8 +237,8 @@ class Exchange:
         while True:
             asked_at = time.monotonic()
             lease: SlotLease | _NoSlot
-            refusal = self._over_spend(seq)
-            if refusal is not None:
+            fresh = seq is None and self.needs_slot  # a new request, not a retry: its workspace's cap applies
+            if fresh and self.state.spend.caps and (refusal := self._over_spend()) is not None:
                 return error_response(refusal, queue_ms=self.queue_ms)
             try:
                 if self.needs_slot:
@@ -266,8 +266,7 @@ class Exchange:
                 return error_response(exc, queue_ms=self.queue_ms)
             waited += lease.queue_wait
             self.queue_ms = self.account.queue_ms = int(waited * 1000)
-            refusal = self._over_spend(seq)
-            if refusal is not None:  # its workspace reached its cap while it waited
+            if fresh and self.state.spend.caps and (refusal := self._over_spend()) is not None:  # reached while it waited
                 lease.release()
                 return error_response(refusal, queue_ms=self.queue_ms)
             self.account.key = lease.key
@@ -284,10 +283,9 @@ class Exchange:
                     self._settle(lease)
                 lease.release()
 
-    def _over_spend(self, seq: int | None) -> ProxyError | None:
-        """A new request (not a retry) of a workspace whose spend today reached its cap is refused."""
-        if seq is not None or not self.needs_slot:
-            return None
+    def _over_spend(self) -> ProxyError | None:
+        """The refusal of a new request whose workspace's spend today reached its cap (asked only while some
+        cap is configured: a proxy without caps makes no call for it)."""
         return self.state.spend_refusal(self.priority.workspace, self.settings)
 
     def _settle(self, lease: SlotLease | _NoSlot) -> None:
