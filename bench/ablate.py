@@ -36,6 +36,7 @@ from common import (
     wait_http,
 )
 from multidict import CIMultiDict
+from otlp_sink import Sink, dropped_spans, exported_note, telemetry_yaml
 from overhead import BODY, PATH_PROXIED, slotproxy_yaml, start_nginx
 
 CONNS = 16
@@ -53,9 +54,14 @@ VARIANTS = {
               "connection limits, the guard, the answers)",
     "windows": "token windows ON (tokens and requests per minute far above what is sent, nothing is held: "
                "the estimate, the windows' bookkeeping, the answer's x-ratelimit headers read, the settling)",
+    "telemetry": "telemetry ON (sample 1.0: every request's three spans and its GenAI metrics, exported over "
+                 "OTLP/HTTP by the SDK's batch processor and periodic reader to bench/otlp_sink.py, a process of its "
+                 "own that discards them)",
 }
-"""Each part a variant switches off, except ``windows``, which adds one: with it in a run, the upstream
-announces ``common.RATE_LIMIT_HEADERS`` to every path, so the pair differs by the windows alone."""
+"""Each part a variant switches off, except ``ADDED``, which add one: with ``windows`` in a run, the upstream
+announces ``common.RATE_LIMIT_HEADERS`` to every path, so the pair differs by the windows alone; with
+``telemetry``, the OTLP sink is started (its CPU is not counted)."""
+ADDED = ("windows", "telemetry")
 WINDOWS = "{tokens_per_minute: 1000000000, requests_per_minute: 1000000000}"
 
 
@@ -103,9 +109,13 @@ async def _bare_relay_handler(request: Any, state: Any, provider: str, rest: str
                                    streaming=False)
 
 
-def variant_config(variant: str, config: str) -> str:
+def variant_config(variant: str, config: str, otlp_endpoint: str | None = None) -> str:
     """The bench's config (one provider, ``bench``) as ``variant`` runs it: with ``windows``, the provider
-    holds token windows."""
+    holds token windows; with ``telemetry``, every request is traced to ``otlp_endpoint`` (the sink's)."""
+    if variant == "telemetry":
+        if otlp_endpoint is None:
+            raise ValueError("the telemetry variant needs the OTLP sink's endpoint (otlp_sink.Sink)")
+        return config + telemetry_yaml(otlp_endpoint)
     if variant != "windows":
         return config
     if config.count("  bench: {") != 1:
@@ -117,7 +127,7 @@ def labelled(variant: str) -> str:
     """How reports name slotproxy as ``variant`` runs it."""
     if variant == "full":
         return "slotproxy"
-    return "slotproxy, windows on" if variant == "windows" else f"slotproxy, {variant} off"
+    return f"slotproxy, {variant} on" if variant in ADDED else f"slotproxy, {variant} off"
 
 
 def variants(text: str) -> list[str]:
@@ -130,13 +140,14 @@ def variants(text: str) -> list[str]:
 
 
 def serve(variant: str, argv: list[str]) -> int:
-    parts = {"slot", "priority", "headers", "guard"} if variant == "all" else {variant} - {"full", "windows"}
+    parts = {"slot", "priority", "headers", "guard"} if variant == "all" else {variant} - {"full", *ADDED}
     _switch_off(parts)
     from proxy.cli import main
     return main(argv)
 
 
-def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
+def measure(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, list[float]], list[str]]:
+    """CPU µs per request of each target, per round; and notes on the run (what reached the OTLP sink)."""
     lua = workdir / "post.lua"
     lua.write_text(WRK_LUA % BODY)
     procs = Processes(workdir)
@@ -144,11 +155,14 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
         static_port = free_port()
         start_nginx(procs, "nginx-static", static_nginx_conf(workdir / "nginx-static", static_port,
                                                              rate_limit_headers="windows" in args.variants), "/")
+        sink = Sink(procs) if "telemetry" in args.variants else None
         targets: dict[str, tuple[str, list[int]]] = {}
+        ports: dict[str, int] = {}
         for variant in args.variants:
-            port = free_port()
+            port = ports[variant] = free_port()
             config = workdir / f"{variant}.yaml"
-            config.write_text(variant_config(variant, slotproxy_yaml(port, {"bench": f"http://{HOST}:{static_port}"})))
+            config.write_text(variant_config(variant, slotproxy_yaml(port, {"bench": f"http://{HOST}:{static_port}"}),
+                                             sink.endpoint if sink else None))
             proc = procs.start(variant, [sys.executable, __file__, "--serve", variant, "serve", "--config", str(config),
                                          "--port", str(port), "--log-level", "WARNING"])
             wait_http(f"http://{HOST}:{port}/healthz", proc, variant, require_200=False)
@@ -158,21 +172,26 @@ def measure(args: argparse.Namespace, workdir: Path) -> dict[str, list[float]]:
         proc = procs.start("relay", [sys.executable, str(ceiling), "--relay", str(relay_port), f"http://{HOST}:{static_port}/"])
         wait_http(f"http://{HOST}:{relay_port}/bench/", proc, "relay", require_200=False)
         targets["bare relay"] = (f"http://{HOST}:{relay_port}{PATH_PROXIED}", [proc.pid])
-        for url, _ in targets.values():
-            run_wrk(url, CONNS, 1, lua)
+        sent = dict.fromkeys(targets, 0)
+        for name, (url, _) in targets.items():
+            sent[name] += int(run_wrk(url, CONNS, 1, lua)["requests"])
         results: dict[str, list[float]] = {name: [] for name in targets}
         for number in range(1, args.rounds + 1):
             for name, (url, pids) in targets.items():
                 before = cpu_seconds(pids)
                 figures = WrkFigures.of(run_wrk(url, CONNS, args.duration, lua))
+                sent[name] += figures.requests
                 results[name].append((cpu_seconds(pids) - before) / max(figures.requests, 1) * 1e6)
                 log(f"round {number} {name:<10} {results[name][-1]:6.1f} µs CPU/req")
-        return results
+        notes = []
+        if sink is not None:
+            notes.append(exported_note(sink.settled_stats(), sent["telemetry"], dropped_spans(ports["telemetry"])))
+        return results, notes
     finally:
         procs.stop_all()
 
 
-def report(results: dict[str, list[float]], command: str) -> str:
+def report(results: dict[str, list[float]], command: str, notes: Sequence[str] = ()) -> str:
     full = results["full"]
     relay = results["bare relay"]
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -184,12 +203,16 @@ def report(results: dict[str, list[float]], command: str) -> str:
         ratio = statistics.median([v / r for v, r in zip(values, relay)])
         label = f"{name}: {VARIANTS[name]}" if name in VARIANTS else name
         lines.append(f"| {label} | {statistics.median(values):.1f} | {saved:.1f} | {ratio:.3f} |")
+    if notes:
+        lines += ["", *notes]
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--serve"]:
+        # this checkout's slotproxy, as ``python -m proxy`` from its root runs it (not the one pip installed)
+        sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
         return serve(argv[1], argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -199,8 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.variants = ["full", *(name for name in args.variants if name != "full")]
     with tempfile.TemporaryDirectory(prefix="slotproxy-ablate-") as tmp:
-        results = measure(args, Path(tmp))
-    print(report(results, " ".join(["python", "bench/ablate.py", *argv])))
+        results, notes = measure(args, Path(tmp))
+    print(report(results, " ".join(["python", "bench/ablate.py", *argv]), notes))
     return 0
 
 

@@ -69,6 +69,7 @@ from common import (
     static_nginx_conf,
     wait_http,
 )
+from otlp_sink import Sink
 from overhead import BODY, PATH_PROXIED, slotproxy_yaml, start_nginx
 from redis_backend import backend_yaml, config_yaml
 
@@ -188,20 +189,23 @@ class Counted:
         raise RuntimeError(f"{self.name}: callgrind wrote no totals to {path}")
 
 
-def config_text(port: int, upstream: str, backend: str, redis_url: str, variant: str = "full") -> str:
+def config_text(port: int, upstream: str, backend: str, redis_url: str, variant: str = "full",
+                otlp_endpoint: str | None = None) -> str:
     """``ceiling.py``'s config on the memory backend; with ``--backends`` naming redis, the config of
     ``redis_backend.py`` (``limit: 10000``, so a slot is taken and given back in Redis) on either backend.
-    The ``windows`` variant adds its windows to either."""
+    The ``windows`` variant adds its windows to either, the ``telemetry`` variant its telemetry to ``otlp_endpoint``."""
     if backend == "memory" and redis_url == "":
-        return variant_config(variant, slotproxy_yaml(port, {"bench": upstream}))
+        return variant_config(variant, slotproxy_yaml(port, {"bench": upstream}), otlp_endpoint)
     return variant_config(variant, config_yaml(port, backend_yaml(backend, redis_url, f"slotproxy-instructions-{port}"),
-                                               "bench", upstream, limit=10_000))
+                                               "bench", upstream, limit=10_000), otlp_endpoint)
 
 
 def start_targets(procs: Processes, args: argparse.Namespace, upstream_port: int) -> list[Counted]:
     """slotproxy (each ``--variants`` one, run by ``ablate.py``; then the ``--tree`` one), on each of
-    ``--backends``, and the bare relay."""
+    ``--backends``, and the bare relay; with the ``telemetry`` variant, first the OTLP sink it exports to (a
+    process of its own, not under valgrind)."""
     upstream = f"http://{HOST}:{upstream_port}"
+    sink = Sink(procs).endpoint if "telemetry" in args.variants else None
     launches: list[tuple[str, list[str], Path | None, str]] = []
     for variant in args.variants:
         launches.append((labelled(variant), [sys.executable, str(Path(__file__).with_name("ablate.py")), "--serve",
@@ -216,7 +220,7 @@ def start_targets(procs: Processes, args: argparse.Namespace, upstream_port: int
         for backend in args.backends:
             port = free_port()
             config = procs.workdir / f"slotproxy-{port}.yaml"
-            config.write_text(config_text(port, upstream, backend, redis_url, variant))
+            config.write_text(config_text(port, upstream, backend, redis_url, variant, sink))
             argv = [*launcher, "serve", "--config", str(config), "--port", str(port), "--log-level", "WARNING"]
             label = name if args.backends == ["memory"] else f"{name}, {backend}"
             targets.append(Counted(procs, label, argv, port, cwd=tree))

@@ -66,7 +66,7 @@ class Waiter:
     held_by: tuple[tuple[str | None, str, str], ...] = ()
     """The windows that held it when it last came up and could not go (key, group, window)."""
     holder: str | None = None
-    """What held it when it came and could not go (``ProviderLimiter.holder``): traces show it."""
+    """What held it when it came and could not go (``holding.what_holds``): traces show it."""
 
     def forget_callbacks(self) -> None:
         """Drop the references to the caller's future once the waiter has left the queue."""

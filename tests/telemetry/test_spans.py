@@ -166,9 +166,9 @@ async def test_each_websocket_response_is_a_client_span_under_the_sockets_server
 
 
 async def test_a_queued_request_has_a_queue_span_as_long_as_its_wait_naming_what_held_it(
-        collector: Collector, start_upstream, start_proxy, client: aiohttp.ClientSession) -> None:
+        collector: Collector, start_upstream, start_proxy, client: aiohttp.ClientSession, backend_yaml: str) -> None:
     up = await start_upstream(chunks=4, delay_ms=80)
-    proxy = await start_proxy(proxy_yaml(collector, f"{up.url}/v1", limit=1))
+    proxy = await start_proxy(backend_yaml + proxy_yaml(collector, f"{up.url}/v1", limit=1))
     body = {"model": "fake", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 
     async def ask(workspace: str) -> int:

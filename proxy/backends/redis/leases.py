@@ -24,6 +24,7 @@ from ...limiter.watchdog import SlotWatchdog
 from ...limiter.window import OTHER_GROUP
 from ..memory import MemoryBackend
 from .client import ScriptClient, Wire, text
+from .grants import read_grant
 from .status import limit_arg
 
 __all__ = ["RedisLease", "SlotKeeper"]
@@ -47,6 +48,7 @@ class RedisLease:
         "granted_at",
         "granted_at_ms",
         "group",
+        "holder",
         "key",
         "lease_id",
         "lease_lost",
@@ -83,6 +85,8 @@ class RedisLease:
         """What it took from its windows when granted (None: no window applied)."""
         self.group: str | None = None
         self.windows_settled = False
+        self.holder: str | None = None
+        """What held it while it waited (its queue span says so); None: it went straight through."""
 
     def release(self) -> None:
         if self.released:
@@ -374,10 +378,11 @@ class SlotKeeper(ScriptClient):
         return result
 
     def _adopt(self, waiter_id: str, waiter: _Waiter, grant: str) -> RedisLease:
-        lease_id, granted_at, key, took = _grant_parts(grant)
+        lease_id, granted_at, key, took, holder = read_grant(grant)
         queue_wait = asyncio.get_running_loop().time() - waiter.asked_at
         lease = RedisLease(self, waiter.provider, waiter_id, lease_id, int(granted_at), queue_wait, waiter.priority,
                            waiter.seq or 0, key)
+        lease.holder = holder
         if took:
             lease.cost, lease.group = waiter.cost, waiter.group
         self._sticky.remember(waiter.priority.conversation, key)
@@ -587,12 +592,3 @@ def windows_arg(settings: LimiterSettings) -> str:
     return json.dumps({"p": dict(windows.provider), "m": {p: dict(m) for p, m in windows.models.items()},
                        "k": {k: dict(m) for k, m in windows.keys.items()}, "learn": windows.learn,
                        "h": windows.headroom}, sort_keys=True)
-
-
-def _grant_parts(grant: str) -> tuple[str, str, str | None, bool]:
-    """A grant as the scripts write it: "lease granted_at key[ w]" (key empty without a pool; ``w``: its
-    window cost was taken with it)."""
-    lease_id, granted_at, *rest = grant.split(" ")
-    key = (rest[0] or None) if rest else None
-    return lease_id, granted_at, key, rest[1:2] == ["w"]
-

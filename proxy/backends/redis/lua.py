@@ -46,7 +46,8 @@ queue member's order; ``tests/backends/test_policy_vs_lua.py`` runs the same
 event sequences through both and compares every status field.
 
 All times come from Redis's own ``TIME``, so replicas with skewed clocks agree.
-Grants are published on ``{prefix}:grant:{replica}`` as "waiter lease granted_at".
+Grants are published on ``{prefix}:grant:{replica}`` as "waiter lease granted_at key ...", the grant's text
+(``grants``: with what held it while it waited).
 
 Nothing is granted for a provider whose ``cfg`` has no ``configured_limit``: that
 is a Redis that lost its data (restarted empty, flushed, failed over). ENQUEUE then
@@ -116,6 +117,10 @@ if redis.call('ZCARD', KEYS[4]) > tonumber(ARGV[10]) then
   redis.call('HINCRBY', KEYS[1], 'queue_full', 1)
   return {-1, pause_end(now) .. ' ' .. now, seq}
 end
+-- left queued: what holds it, kept for its grant to name (the windows, if they hold it, note themselves)
+local queued = cjson.decode(redis.call('HGET', KEYS[5], ARGV[1]))
+queued.hd = what_holds(queued, now)
+redis.call('HSET', KEYS[5], ARGV[1], cjson.encode(queued))
 return {0, tostring(next_event(now)), seq}
 """
 

@@ -345,6 +345,36 @@ local function count_against_budget(hash, now)
   if reset > now and reset > hnum(hash, 'held_until', 0) then redis.call('HSET', hash, 'held_until', reset) end
 end
 
+-- holding.what_holds: the code of the first level without room for a waiter its ENQUEUE left queued, in the
+-- order admission asks them ('queue': every level has room; the windows or the waiters ahead hold it).
+local function what_holds(info, now)
+  if blocked_until(KEYS[1], now) > 0 then return 'paused' end
+  local limit = limit_of()
+  if limit ~= nil and in_flight() >= limit then return 'limit' end
+  local pool = layout().pool
+  if #pool > 0 then
+    local room = false
+    for _, name in ipairs(pool) do
+      if level_room('k:' .. name, now) then room = true break end
+    end
+    if not room then return 'keys' end
+  end
+  if info.pt and info.pt ~= '' and layout().capped[info.pt] and not level_room('m:' .. info.pt, now) then
+    return 'm:' .. info.pt
+  end
+  if info.kp and info.kp ~= '' and not (in_pool(info.kp) and level_room('k:' .. info.kp, now)) then
+    return 'k:' .. info.kp
+  end
+  return 'queue'
+end
+
+-- holding.holder_words: what held a waiter, as its grant names it: 'w:' and the windows that held it last,
+-- else the code of what held it when it came ('': nothing did, it went straight through).
+local function held_code(info)
+  if info.hb and #info.hb > 0 then return 'w:' .. windows_held(info.hb) end
+  return info.hd or ''
+end
+
 -- The waiter whose own ENQUEUE is running: a grant to it is in the script's answer, so no message is sent.
 local answering = nil
 
@@ -365,7 +395,10 @@ local function grant(id, info, key, now, lease_ttl, channel)
     s = string.sub(info.m, 1, 1) == '0', tr = info.tr, t = now, g = granted, wc = took and info.wc or nil,
     wg = took and info.wg or nil}))
   redis.call('HINCRBY', BASE .. 'wsheld', info.w, 1)
+  -- "lease granted_at key", then ' w' if it took its window cost ('-' if not, before what held it), then what held it
   local grant_text = id .. ' ' .. now .. ' ' .. key .. (took and ' w' or '')
+  local held = held_code(info)
+  if held ~= '' then grant_text = grant_text .. (took and ' ' or ' - ') .. held end
   redis.call('HSET', KEYS[7], id, grant_text)
   if id ~= answering then redis.call('PUBLISH', channel .. info.r, id .. ' ' .. grant_text) end
 end

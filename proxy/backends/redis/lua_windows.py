@@ -309,6 +309,16 @@ local function window_hold(id, info, pinned, group, wait, now)
   if wait < math.huge and (window_wake == nil or now + wait < window_wake) then window_wake = now + wait end
 end
 
+-- The windows that held a waiter last (its ``hb``), as its grant names them: a JSON list of [key, window]
+-- (key '' for the provider's own windows), put in words by holding.window_words.
+local function windows_held(hb)
+  local held = {}
+  for _, wid in ipairs(hb) do
+    table.insert(held, {string.match(wid, '^([^\n]*)\n'), string.match(wid, '\n([^\n]*)$')})
+  end
+  return cjson.encode(held)
+end
+
 -- ProviderWindows.behind_held: whether a head that fits needs a window an earlier head is held by.
 local function window_behind_held(key, group, cost, now)
   if next(window_blocked) == nil then return false end
