@@ -32,9 +32,17 @@ from ..errors import SpendLimitReached
 from ..ledger.prices import DAY_MS, PriceTable, warm_up
 from ..ledger.spend import DailySpend, SpendUnread, spend_query
 from ..ledger.store import Ledger, LedgerWriteError
-from ..limiter import KeySettings, LimiterSettings, ModelCap, SlotLease, policy
+from ..limiter import (
+    KeySettings,
+    LimiterSettings,
+    ModelCap,
+    ProviderStatus,
+    SlotLease,
+    policy,
+)
 from ..logs import ThrottledLog
 from ..providers.concurrency_gate import GatePollers
+from ..telemetry import TelemetryNotInstalled, check_installed, telemetry_settings
 from ..telemetry import start as start_telemetry
 from .access import ClientKeys
 from .accounting import Account
@@ -57,6 +65,8 @@ log = logging.getLogger("slotproxy")
 
 _SPEND_READ_EVERY = 1.0
 """Seconds between reads of the day's spend (the fleet's, or the host's workers')."""
+_RETIRED_TELEMETRY_WAIT = 600.0
+"""How long telemetry a reload replaced waits for the requests it traced (a long stream) before it closes."""
 
 
 def limiter_settings(settings: ProviderSettings, environ: Mapping[str, str] | None = None, *,
@@ -139,7 +149,10 @@ class ProxyState:
                                self.open_sockets.count, worker=worker)
         self.telemetry: Telemetry | None = start_telemetry(config.telemetry, os.environ,
                                                            self.metrics.telemetry_dropped.inc)
-        """Traces and GenAI metrics, when an OTLP endpoint is configured (a change needs a restart)."""
+        """Traces and GenAI metrics, when an OTLP endpoint is configured (a reload may change it)."""
+        self._retiring: dict[asyncio.Task[None], Telemetry] = {}
+        """Telemetry a reload replaced, exporting the spans of the requests it traced until they end."""
+        self._started = False
         self.upstreams = Upstreams()
         self.idle_watch = IdleWatch()
         """The idle_timeout deadlines of the upstream exchanges in flight."""
@@ -210,12 +223,46 @@ class ProxyState:
                                               for name, settings in providers.items()})
         self.spend.configure(config.workspaces.spend_per_day_usd)
         self._refuse_queued(self.spend.newly_capped())
+        self._retarget_telemetry(config)
         self._windowing = self._windowings(providers)
         self._model_patterns = {name: tuple(settings.models) for name, settings in providers.items()
                                 if settings.models}
         self.config = config
         self.loaded_at = time.time()
         self.pollers.sync(providers, self.backend, self.upstreams.session_for)
+
+    @staticmethod
+    def telemetry_refusal(config: Config) -> str | None:
+        """Why ``config``'s telemetry cannot run here (the ``otel`` extra is missing), else None: a reload
+        asking for it is refused whole, as an invalid file is."""
+        settings = telemetry_settings(config.telemetry, os.environ)
+        if settings is None:
+            return None
+        try:
+            check_installed(settings)
+        except TelemetryNotInstalled as exc:
+            return str(exc)
+        return None
+
+    def _retarget_telemetry(self, config: Config) -> None:
+        """A reload that changed where or how requests are traced: the next requests are traced by new
+        telemetry; the old one exports the spans of the requests it traced as they end, then closes."""
+        current = self.telemetry
+        wanted = telemetry_settings(config.telemetry, os.environ)
+        if wanted == (None if current is None else current.settings) or not self._started:
+            return
+        self.telemetry = start_telemetry(config.telemetry, os.environ, self.metrics.telemetry_dropped.inc)
+        if self.telemetry is not None:
+            self.telemetry.start(self._gauges)
+        log.info("telemetry %s", "off" if wanted is None else
+                 f"now exports to {wanted.shown_endpoint} (sample {wanted.sample:g})")
+        if current is not None:
+            task = asyncio.get_running_loop().create_task(current.retire(_RETIRED_TELEMETRY_WAIT))
+            self._retiring[task] = current
+            task.add_done_callback(self._retiring.pop)
+
+    def _gauges(self) -> list[ProviderStatus]:
+        return self.backend.statistics(queue_detail=False)
 
     def listen_on(self, host: str) -> None:
         """The address the server is bound to decides the Host rule (loopback or not)."""
@@ -286,7 +333,8 @@ class ProxyState:
         await self.backend.start()
         await self.ledger.start()
         if self.telemetry is not None:
-            self.telemetry.start(lambda: self.backend.statistics(queue_detail=False))
+            self.telemetry.start(self._gauges)
+        self._started = True
         await self.read_spend()
         self._spend_task = asyncio.get_running_loop().create_task(self._read_spend_every(_SPEND_READ_EVERY))
 
@@ -326,6 +374,9 @@ class ProxyState:
         await self.backend.close()
         if self.telemetry is not None:
             await self.telemetry.close()
+        for retiring in list(self._retiring.values()):
+            retiring.hurry()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
 
     def account(self, account: Account) -> None:
         """A request ended: its ledger row, the fleet's aggregates, the token counters, its spans."""

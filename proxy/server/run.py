@@ -114,6 +114,11 @@ class ConfigWatcher:
             self._state.config_error = f"{self._path}: " + "; ".join(exc.problems)
             log.error("config reload refused (%s); keeping the running config: %s", reason, self._state.config_error)
             return False
+        refusal = self._state.telemetry_refusal(config)
+        if refusal is not None:
+            self._state.config_error = f"{self._path}: {refusal}"
+            log.error("config reload refused (%s); keeping the running config: %s", reason, self._state.config_error)
+            return False
         old = self._state.config
         self._warn_restart_only(config)
         self._state.apply(config)

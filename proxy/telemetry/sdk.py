@@ -188,6 +188,10 @@ class Telemetry:
         self.instruments = Instruments(self.meter_provider, settings.latest_experimental)
         self._facts: dict[tuple[str, str, str], ProviderFacts] = {}
         self._sampler: asyncio.Task[None] | None = None
+        self.open_servers = 0
+        """SERVER spans begun and not ended: the requests and sockets it traces now."""
+        self._drained = asyncio.Event()
+        """Set when a retired telemetry has no SERVER span open any more (or is asked not to wait)."""
 
     def facts(self, provider: str, upstream: str, dialect: str) -> ProviderFacts:
         cached = self._facts.get((provider, upstream, dialect))
@@ -198,11 +202,18 @@ class Telemetry:
     def request(self, headers: Mapping[str, str], provider: str, settings: ProviderSettings, method: str,
                 path: str) -> RequestTrace:
         """A request has arrived: its SERVER span begins (continuing the client's ``traceparent``)."""
+        self.open_servers += 1
         return RequestTrace.serving(self, self._parent(headers), self._facts_of(provider, settings), method, path)
 
     def socket(self, headers: Mapping[str, str], provider: str, settings: ProviderSettings, path: str) -> SocketTrace:
         """A WebSocket upgrade has arrived: its SERVER span lasts as long as the socket."""
+        self.open_servers += 1
         return SocketTrace(self, self._parent(headers), self._facts_of(provider, settings), path)
+
+    def server_ended(self) -> None:
+        self.open_servers -= 1
+        if self.open_servers <= 0:
+            self._drained.set()
 
     def _facts_of(self, provider: str, settings: ProviderSettings) -> ProviderFacts:
         return self.facts(provider, settings.upstream, settings.dialect)
@@ -224,6 +235,19 @@ class Telemetry:
         while True:
             self.instruments.sample(snapshot())
             await asyncio.sleep(interval)
+
+    async def retire(self, longest: float) -> None:
+        """A reload replaced it: the requests and sockets it traced end on it, so their spans are exported
+        whole, then it closes; after ``longest`` seconds it closes anyway (the spans of what still runs then
+        are lost), and at once when ``hurry`` is called (the proxy is shutting down)."""
+        if self.open_servers > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), longest)
+        await self.close()
+
+    def hurry(self) -> None:
+        """A retiring telemetry stops waiting for the requests it traced."""
+        self._drained.set()
 
     async def close(self) -> None:
         """Stop sampling, send what is queued (a collector that is down is waited on a few seconds at most)."""

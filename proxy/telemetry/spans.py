@@ -38,6 +38,9 @@ class Telemetry(Protocol):
     @property
     def instruments(self) -> Instruments: ...
 
+    def server_ended(self) -> None:
+        """A SERVER span it began has ended (a request's, or a socket's)."""
+
 
 class Account(Protocol):
     """What the relay recorded of a request (``http.accounting.Account``)."""
@@ -181,6 +184,7 @@ class RequestTrace:
                 if account.status >= 500:
                     server.set_status(_ERROR)
             server.end()
+            self._telemetry.server_ended()
 
     def _end_client(self, span: Span, account: Account) -> None:
         usage = account.usage
@@ -256,3 +260,4 @@ class SocketTrace:
         if self.recording:
             self._server.set_attribute(names.HTTP_STATUS, status)
         self._server.end()
+        self._telemetry.server_ended()

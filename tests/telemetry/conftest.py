@@ -128,14 +128,20 @@ def fast_export(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.fixture
-async def collector(fast_export: None) -> AsyncIterator[Collector]:
+async def start_collector() -> tuple[Collector, web.AppRunner]:
+    """An OTLP/HTTP collector on loopback; the caller cleans its runner up."""
     seen = Collector()
     app = web.Application(client_max_size=64 << 20)
     app.router.add_post("/v1/traces", seen.traces)
     app.router.add_post("/v1/metrics", seen.metrics)
     runner, port = await serve_app(app)
     seen.url = f"http://127.0.0.1:{port}"
+    return seen, runner
+
+
+@pytest.fixture
+async def collector(fast_export: None) -> AsyncIterator[Collector]:
+    seen, runner = await start_collector()
     yield seen
     await runner.cleanup()
 
