@@ -165,10 +165,11 @@ async def test_each_websocket_response_is_a_client_span_under_the_sockets_server
     assert_no_content(collector, PROMPT)
 
 
-async def test_a_queued_request_has_a_queue_span_as_long_as_its_wait_naming_what_held_it(
+async def test_a_queued_request_has_a_queue_span_as_long_as_its_wait_naming_what_held_it_and_its_star(
         collector: Collector, start_upstream, start_proxy, client: aiohttp.ClientSession, backend_yaml: str) -> None:
     up = await start_upstream(chunks=4, delay_ms=80)
-    proxy = await start_proxy(backend_yaml + proxy_yaml(collector, f"{up.url}/v1", limit=1))
+    proxy = await start_proxy(backend_yaml + "workspaces: {starred: [second]}\n" +
+                              proxy_yaml(collector, f"{up.url}/v1", limit=1))
     body = {"model": "fake", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 
     async def ask(workspace: str) -> int:
@@ -187,6 +188,10 @@ async def test_a_queued_request_has_a_queue_span_as_long_as_its_wait_naming_what
     assert waited_ms >= 150
     assert abs(span.duration - waited_ms / 1000) < 0.03
     assert span.attributes[names.HELD_BY] == "provider limit"
+    assert span.attributes[names.STARRED] is True  # starred by the config, not by a header: on either backend
+    first_span = one([span for span in collector.named("slotproxy.queue")
+                      if span.attributes[names.WORKSPACE] == "first"])
+    assert first_span.attributes[names.STARRED] is False
     await collector.wait_for_metric(names.QUEUE_TIME)
 
 

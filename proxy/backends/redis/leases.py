@@ -60,6 +60,7 @@ class RedisLease:
         "released",
         "renewed_at",
         "seq",
+        "starred",
         "waiter_id",
         "windows_settled",
     )
@@ -87,6 +88,7 @@ class RedisLease:
         self.windows_settled = False
         self.holder: str | None = None
         """What held it while it waited (its queue span says so); None: it went straight through."""
+        self.starred = priority.starred
 
     def release(self) -> None:
         if self.released:
@@ -383,6 +385,7 @@ class SlotKeeper(ScriptClient):
         lease = RedisLease(self, waiter.provider, waiter_id, lease_id, int(granted_at), queue_wait, waiter.priority,
                            waiter.seq or 0, key)
         lease.holder = holder
+        lease.starred = waiter.priority.starred or waiter.priority.workspace in self._starred
         if took:
             lease.cost, lease.group = waiter.cost, waiter.group
         self._sticky.remember(waiter.priority.conversation, key)
