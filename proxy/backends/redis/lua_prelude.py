@@ -353,7 +353,8 @@ local function grant(id, info, key, now, lease_ttl, channel)
   if key ~= '' then table.insert(levels, 'k:' .. key) end
   if info.pt and info.pt ~= '' and layout().capped[info.pt] then table.insert(levels, 'm:' .. info.pt) end
   count_against_budget(key ~= '' and level_hash('k:' .. key) or KEYS[1], now)
-  -- with windows, its cost is taken at once with the slots (the grant says so: ' w')
+  -- with windows, its cost is taken at once with the slots (the grant says so: ' w', and which cost when it was
+  -- costed again: ' w<version>')
   local took = layout().win ~= nil and info.wc ~= nil and info.wg ~= nil
   if took then window_take(key, info.wg, cjson.decode(info.wc), now) end
   redis.call('ZADD', KEYS[2], now + lease_ttl, id)
@@ -365,7 +366,7 @@ local function grant(id, info, key, now, lease_ttl, channel)
     s = string.sub(info.m, 1, 1) == '0', tr = info.tr, t = now, g = granted, wc = took and info.wc or nil,
     wg = took and info.wg or nil}))
   redis.call('HINCRBY', BASE .. 'wsheld', info.w, 1)
-  local grant_text = id .. ' ' .. now .. ' ' .. key .. (took and ' w' or '')
+  local grant_text = id .. ' ' .. now .. ' ' .. key .. (took and (' w' .. (info.wv or '')) or '')
   redis.call('HSET', KEYS[7], id, grant_text)
   if id ~= answering then redis.call('PUBLISH', channel .. info.r, id .. ' ' .. grant_text) end
 end
