@@ -15,6 +15,7 @@ from ..limiter import (
     Priority,
     ProviderLimiter,
     ProviderStatus,
+    Recost,
     SlotLease,
 )
 from ..logs import BackoffLog
@@ -41,12 +42,13 @@ class Backend(Protocol):
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
                       client_wait: float | None = None, model: str | None = None,
                       key: str | None = None, cost: Mapping[str, float] | None = None,
-                      group: str | None = None) -> SlotLease:
+                      group: str | None = None, recost: Recost | None = None) -> SlotLease:
         """Wait for a slot at every level that applies (the provider, the cap ``model`` matches, a key of
         the pool: ``key`` when given) and, where token windows are held, for ``cost`` (window name to
         amount) from every window of the key and model ``group``, all taken at once; at most queue_timeout
         (or ``client_wait``, the client's own deadline, when shorter). Raises QueueFull or QueueTimeout;
-        cancelling the caller leaves the queue."""
+        cancelling the caller leaves the queue. ``recost`` is asked for its cost again while it waits, when
+        ``recost_windows`` names its group; the lease's ``cost`` is the one its grant took."""
 
     async def socket_key(self, provider: str, conversation: str | None) -> str | None:
         """The pool key a new WebSocket opens its upstream socket with (``policy.socket_key``); None
@@ -63,6 +65,11 @@ class Backend(Protocol):
     def settle_windows(self, provider: str, lease: SlotLease, actual: Mapping[str, float],
                        rules: Mapping[str, str]) -> None:
         """Reconcile the windows ``lease`` took from with its answer's usage (``window.SETTLE_RULES``)."""
+
+    def recost_windows(self, provider: str, group: str) -> None:
+        """The estimates of model ``group`` moved (``providers.recost``): each of its waiters queued in this
+        process that gave ``acquire`` a ``recost`` takes the cost that returns, its place in the queue kept,
+        and admission is looked at again at once (with Redis: one script for them all)."""
 
     def report_window_hit(self, provider: str, key: str | None, group: str | None, window: str,
                           until: float) -> None:

@@ -19,6 +19,7 @@ from ..limiter import (
     ProviderLimiter,
     ProviderStatus,
     ProviderWindows,
+    Recost,
     SlotLease,
 )
 from ..logs import BackoffLog
@@ -94,13 +95,14 @@ class MemoryBackend:
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
                       client_wait: float | None = None, model: str | None = None,
                       key: str | None = None, cost: Mapping[str, float] | None = None,
-                      group: str | None = None) -> SlotLease:
+                      group: str | None = None, recost: Recost | None = None) -> SlotLease:
         limiter = self.limiter(provider)
         lease = limiter.try_acquire(priority, seq, model, key, cost, group)
         if lease is not None:
             return lease
         parked = _Parked(asyncio.get_running_loop().create_future())
         waiter = limiter.enqueue(priority, parked.grant, parked.reject, seq, client_wait, model, key, cost, group)
+        waiter.recost = recost
         try:
             return await parked.future
         except asyncio.CancelledError:
@@ -140,6 +142,11 @@ class MemoryBackend:
         windows = self._windows(provider)
         if windows is not None and isinstance(lease, Lease):
             windows.settle_windows(lease, actual, rules)
+
+    def recost_windows(self, provider: str, group: str) -> None:
+        windows = self._windows(provider)
+        if windows is not None:
+            windows.recost(group)
 
     def report_window_hit(self, provider: str, key: str | None, group: str | None, window: str,
                           until: float) -> None:

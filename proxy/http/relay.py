@@ -248,12 +248,12 @@ class Exchange:
                     if windowing is None:
                         lease = await self.state.backend.acquire(self.provider, self.priority, seq=seq,
                                                                  client_wait=client_wait, model=self.model)
-                    else:
-                        self.estimate, cost = windowing.estimate(self.state.backend, self.group, self.body,
-                                                                 self.parsed)
+                    else:  # costed again while it waits if its group's estimates move (``providers.recost``)
+                        costing = windowing.costing(self.state.backend, self.group, self.body, self.parsed)
                         lease = await self.state.backend.acquire(
                             self.provider, self.priority, seq=seq, client_wait=client_wait, model=self.model,
-                            cost=cost, group=self.group)
+                            cost=costing.cost, group=self.group, recost=costing)
+                        self.estimate = costing.taken(lease)
                     self.state.observe_grant(self.provider, lease)
                     if self.account.trace is not None:
                         self.account.trace.waited(lease.queue_wait, self.priority, lease)

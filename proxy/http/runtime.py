@@ -304,8 +304,8 @@ class ProxyState:
         return self._windowing.get(name)
 
     def _windowings(self, providers: Mapping[str, ProviderSettings]) -> dict[str, Windowing]:
-        """One per provider with ``windows:`` written; a provider's estimator (what it learned) outlives
-        a reload."""
+        """One per provider with ``windows:`` written; a provider's estimator (what it learned) and the drift
+        of its estimates outlive a reload."""
         built = {}
         for name, settings in providers.items():
             windows = settings.window_settings()
@@ -315,7 +315,8 @@ class ProxyState:
             built[name] = Windowing(name, settings.dialect, patterns=tuple(settings.models),
                                     keys=tuple(key.name for key in settings.keys), learn=windows.learn,
                                     headroom=windows.headroom,
-                                    estimator=None if known is None else known.estimator)
+                                    estimator=None if known is None else known.estimator,
+                                    drift=None if known is None else known.drift)
         return built
 
     def observe_grant(self, provider: str, lease: SlotLease) -> None:

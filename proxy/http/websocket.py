@@ -314,12 +314,12 @@ class SocketRelay:
         windowing = self.windowing
         if windowing is None:
             account.model = frame_model(frame) if self.settings.models else model_hint("", frame)
-            estimate, cost, group = None, None, ""
-        else:
+            costing, group = None, ""
+        else:  # costed again while it waits if its group's estimates move (``providers.recost``)
             account.model, request = parsed_request("", frame)
             group = windowing.group(account.model)
-            estimate, cost = windowing.estimate(self.state.backend, group, frame, request, key=self.key,
-                                                continuation=self.ended.continued(request))
+            costing = windowing.costing(self.state.backend, group, frame, request, key=self.key,
+                                        continuation=self.ended.continued(request))
         if self.state.shutting_down or self.closing_after_responses:
             await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0),
                                account)
@@ -332,7 +332,8 @@ class SocketRelay:
         asked_at = time.monotonic()
         try:
             lease = await self.state.backend.acquire(self.provider, priority, model=account.model, key=self.key,
-                                                     cost=cost, group=group or None)
+                                                     cost=None if costing is None else costing.cost,
+                                                     group=group or None, recost=costing)
         except (QueueFull, QueueTimeout, ShuttingDown, SpendLimitReached) as exc:
             self.state.request_finished()
             account.queue_ms = round((time.monotonic() - asked_at) * 1000)
@@ -355,7 +356,7 @@ class SocketRelay:
             account.trace = trace = self.trace.response()
             trace.waited(lease.queue_wait, priority, lease)
             trace.sending(account.model, lease.key)
-        self._start(_Response(lease, account, estimate, group))
+        self._start(_Response(lease, account, None if costing is None else costing.taken(lease), group))
         return True
 
     def _frame_priority(self, frame: bytes) -> Priority:

@@ -1,6 +1,6 @@
-"""The relay's part in a provider's token windows: what a request is estimated to cost before it is sent,
-what each answer's headers say of the windows, a 429 that names a window, and the reconciliation from the
-usage the answer reported.
+"""The relay's part in a provider's token windows: what a request is estimated to cost before it is sent (and
+again while it waits, when its model group's estimates moved), what each answer's headers say of the windows,
+a 429 that names a window, and the reconciliation from the usage the answer reported.
 
 One ``Windowing`` per provider that holds windows (``windows:`` written in its config), on ``ProxyState``; a
 provider without windows has none, and its requests do no window work at all.
@@ -20,6 +20,7 @@ from ..limiter.window import OTHER_GROUP
 from ..providers.budgets import header_count
 from ..providers.estimate import Estimate, Estimator, RequestBody, actual_for
 from ..providers.model_name import request_model
+from ..providers.recost import Basis, Drift
 from ..providers.tokens import TokenCounts, UsageReader
 from ..providers.window_signals import (
     HEADER_NAMES,
@@ -30,7 +31,7 @@ from ..providers.window_signals import (
     window_remaining,
 )
 
-__all__ = ["SETTLE_RULES", "EndedResponses", "Windowing", "parsed_request"]
+__all__ = ["SETTLE_RULES", "Costing", "EndedResponses", "Windowing", "parsed_request"]
 
 SETTLE_RULES: dict[str, dict[str, str]] = {
     "anthropic": {"input_tokens_per_minute": "give_back", "output_tokens_per_minute": "give_back"},
@@ -48,11 +49,11 @@ _REPORT_AGAIN = 30.0
 class Windowing:
     """One provider's windows as the relay sees them; the estimator outlives config reloads."""
 
-    __slots__ = ("announced", "applies", "dialect", "estimator", "headroom", "keys", "learn", "limit_headers",
-                 "patterns", "provider", "remaining_headers", "rules", "unannounced")
+    __slots__ = ("announced", "applies", "dialect", "drift", "estimator", "headroom", "keys", "learn",
+                 "limit_headers", "patterns", "provider", "remaining_headers", "rules", "unannounced")
 
     def __init__(self, provider: str, dialect: Dialect, *, patterns: tuple[str, ...], keys: tuple[str, ...],
-                 learn: bool, headroom: float, estimator: Estimator | None = None) -> None:
+                 learn: bool, headroom: float, estimator: Estimator | None = None, drift: Drift | None = None) -> None:
         self.provider = provider
         self.dialect: Dialect = dialect
         self.patterns = patterns
@@ -62,6 +63,9 @@ class Windowing:
         self.learn = learn
         self.headroom = headroom
         self.estimator = estimator or Estimator()
+        self.drift = drift or Drift()
+        """Where each model group's estimates last moved to (``providers.recost``); outlives reloads with the
+        estimator."""
         self.rules = SETTLE_RULES[dialect]
         self.limit_headers = HEADER_NAMES[dialect][::3]
         """Each window's ``-limit`` header (the first of its three)."""
@@ -96,6 +100,17 @@ class Windowing:
                                            windows=windows or DIALECT_WINDOWS[self.dialect],
                                            continuation=continuation, now=time.time())
         return estimate, estimate.cost if windows else None
+
+    def costing(self, backend: Backend, group: str, body: bytes, request: Mapping[str, Any], *,
+                key: str | None = None, continuation: tuple[int, int] | None = None) -> Costing:
+        """The request's estimate now, kept with what it takes to estimate it again while it waits."""
+        return Costing(self, backend, group, body, request, key, continuation)
+
+    def _moved(self, backend: Backend, group: str) -> None:
+        """The estimator learned: if the group's estimates moved (``providers.recost``, the rule), its waiters
+        queued here are costed again (each ``Costing``, by the backend) and admission looks again."""
+        if self.drift.moved(group, Basis(*self.estimator.basis(group))):
+            backend.recost_windows(self.provider, group)
 
     def _applying(self, backend: Backend, key: str | None, group: str) -> tuple[str, ...]:
         provider = self.provider
@@ -160,6 +175,7 @@ class Windowing:
             until = reset if reset is not None else now
         backend.report_window_hit(self.provider, key, group, window, until)
         self.estimator.raise_ratio(key, group)
+        self._moved(backend, group)
         return window
 
     def beyond(self, backend: Backend, lease: SlotLease, window: str) -> bool:
@@ -182,18 +198,64 @@ class Windowing:
         self.estimator.learn(key=lease.key, group=group, estimate=estimate, input_tokens=inputs,
                              cached_read=cached, output_tokens=output, now=time.time(), cache_write=written)
         cost = lease.cost
-        if cost is None:
-            return
-        dialect, rules = self.dialect, self.rules
-        actual = {window: actual_for(dialect, window, inputs, cached, written, output)
-                  for window in rules if window in cost}
-        if actual and any(rules[window] != "charge_beyond" or spent > cost[window]
-                          for window, spent in actual.items()):
-            backend.settle_windows(self.provider, lease, actual, rules)
+        if cost is not None:
+            dialect, rules = self.dialect, self.rules
+            actual = {window: actual_for(dialect, window, inputs, cached, written, output)
+                      for window in rules if window in cost}
+            if actual and any(rules[window] != "charge_beyond" or spent > cost[window]
+                              for window, spent in actual.items()):
+                backend.settle_windows(self.provider, lease, actual, rules)
+        self._moved(backend, group)
 
     def status(self, row: dict[str, Any]) -> None:
         """Fill a status window row's ratio and estimate errors."""
         row.update(self.estimator.status(None, row["group"], row["window"]))
+
+
+class Costing:
+    """One request's window cost while it waits for its slot: estimated when it asks, and again when the
+    backend calls it (its model group's estimates moved: ``Backend.recost_windows``). Settled afterwards
+    against the estimate its grant took (``taken``): an earlier one when the grant was made before a re-costing
+    reached it."""
+
+    __slots__ = ("backend", "body", "continuation", "estimates", "group", "key", "request", "windowing")
+
+    def __init__(self, windowing: Windowing, backend: Backend, group: str, body: bytes, request: Mapping[str, Any],
+                 key: str | None, continuation: tuple[int, int] | None) -> None:
+        self.windowing, self.backend, self.group, self.body, self.request = windowing, backend, group, body, request
+        self.key, self.continuation = key, continuation
+        self.estimates: list[tuple[Estimate, dict[str, float] | None]] = [self._estimated()]
+
+    @property
+    def cost(self) -> dict[str, float] | None:
+        """What it takes from its windows now (None: no window is known yet)."""
+        return self.estimates[-1][1]
+
+    def _estimated(self) -> tuple[Estimate, dict[str, float] | None]:
+        return self.windowing.estimate(self.backend, self.group, self.body, self.request, key=self.key,
+                                       continuation=self.continuation)
+
+    def __call__(self) -> dict[str, float] | None:
+        """Its estimate again, from its own body (``limiter.Recost``); None when no window applies now."""
+        estimated = self._estimated()
+        if estimated[1] is None:
+            return None
+        self.estimates.append(estimated)
+        if len(self.estimates) > _ESTIMATES_KEPT:  # only the latest few can still be granted
+            del self.estimates[1]
+        return estimated[1]
+
+    def taken(self, lease: SlotLease) -> Estimate:
+        """The estimate whose cost ``lease`` took: the latest with that cost (the latest without one taken)."""
+        taken = lease.cost
+        if taken is not None:
+            for estimate, cost in reversed(self.estimates):
+                if cost is taken or cost == taken:
+                    return estimate
+        return self.estimates[-1][0]
+
+
+_ESTIMATES_KEPT = 8
 
 
 def parsed_request(path: str, body: bytes) -> tuple[str | None, Mapping[str, Any]]:

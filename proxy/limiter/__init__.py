@@ -19,7 +19,7 @@ from .policy import (
     validate_limit,
 )
 from .provider import ProviderLimiter
-from .queue import Priority, Waiter, WaiterQueue
+from .queue import Priority, Recost, Waiter, WaiterQueue
 from .status import HolderStatus, KeyStatus, ModelStatus, ProviderStatus, WaiterStatus
 from .window import WINDOW_NAMES, Bucket, WindowBook, WindowSettings
 from .windowed import ProviderWindows
@@ -46,6 +46,7 @@ __all__ = [
     "ProviderLimiter",
     "ProviderStatus",
     "ProviderWindows",
+    "Recost",
     "SlotLease",
     "Timer",
     "Waiter",

@@ -84,7 +84,7 @@ class ProviderLimiter:
         self._models: dict[str, LimitLevel] = {}
         self._patterns: tuple[str, ...] = ()
         self._build_levels(settings)
-        self._windows = ProviderWindows.reloaded(None, settings.windows, clock, self._dispatch)
+        self._windows = ProviderWindows.reloaded(None, settings.windows, clock, self._dispatch, self._waiting)
 
     def _build_levels(self, settings: LimiterSettings) -> None:
         """Key and model levels for these settings; a level that stays keeps its state (a changed YAML
@@ -524,7 +524,7 @@ class ProviderLimiter:
         """
         old, self._settings = self._settings, settings
         self._build_levels(settings)
-        self._windows = ProviderWindows.reloaded(self._windows, settings.windows, self._clock, self._dispatch)
+        self._windows = ProviderWindows.reloaded(self._windows, settings.windows, self._clock, self._dispatch, self._waiting)
         if (old.windows is None) != (settings.windows is None) or (old.classed(), old.max_share is None) != (settings.classed(),
                                                                          settings.max_share is None):
             self._reclassify()

@@ -21,12 +21,16 @@ from typing import Any, NamedTuple
 from ..errors import ProxyError
 from .policy import queue_key
 
-__all__ = ["ClassedQueue", "Priority", "Waiter", "WaiterClass", "WaiterQueue", "reject_all"]
+__all__ = ["ClassedQueue", "Priority", "Recost", "Waiter", "WaiterClass", "WaiterQueue", "reject_all"]
 
 WaiterClass = tuple[str | None, str | None, str | None, str | None] | None
 """Which heap of its provider's queue a waiter is in: (model cap pattern, workspace when shares apply, the
 pool key it must have, its model group when windows apply), or None for the provider's one heap of waiters
 any slot may serve."""
+
+Recost = Callable[[], Mapping[str, float] | None]
+"""A waiter's own estimate, asked again when its model group's estimates moved: what it would cost its windows
+now (None: what it has stays)."""
 
 
 class Priority(NamedTuple):
@@ -67,6 +71,8 @@ class Waiter:
     """The windows that held it when it last came up and could not go (key, group, window)."""
     holder: str | None = None
     """What held it when it came and could not go (``holding.what_holds``): traces show it."""
+    recost: Recost | None = None
+    """How the shell that queued it costs it again (``ProviderWindows.recost``); None: its cost stays."""
 
     def forget_callbacks(self) -> None:
         """Drop the references to the caller's future once the waiter has left the queue."""
@@ -123,6 +129,10 @@ class WaiterQueue:
         if len(self._heap) > 64 and self._live * 2 < len(self._heap):
             self._rebuild()
         return True
+
+    def live(self) -> list[Waiter]:
+        """Its waiters still queued, in no particular order: O(its entries)."""
+        return [waiter for _, waiter in self._heap if waiter.queued]
 
     def take_workspace(self, workspace: str) -> list[Waiter]:
         """Take out every waiter of ``workspace``, in queue order: O(n log n), for a rare event (its spend cap
@@ -203,6 +213,14 @@ class ClassedQueue:
                 head = queue.head()[1]
                 if head.held_by:
                     yield head, len(queue)
+
+    def of_group(self, group: str) -> list[Waiter]:
+        """The waiters with a window cost in model ``group`` (their class names it), in no particular order."""
+        found: list[Waiter] = []
+        for waiter_class, queue in self._heaps.items():
+            if waiter_class is not None and waiter_class[3] == group:
+                found += queue.live()
+        return found
 
     def take_all(self) -> list[Waiter]:
         """Empty the queue: every waiter it held, class by class in queue order, no longer queued."""

@@ -52,10 +52,13 @@ first. Groups come from the models clients name, so their number is bounded here
 
 _REFILL_SECONDS = 60.0
 _SLACK_SECONDS = 1e-3
-"""Room counts as there when a millisecond's refill would make it: a timer set for the refill may fire
-a hair early (float time), and must not need a second one."""
+"""Room counts as there when a millisecond's refill would make it: a timer set for the refill (the time the
+whole amount is there) may fire a hair early (float time), and must not need a second one."""
 _RECENT_SECONDS = 120.0
 """How long a bucket remembers what it took, for ``correct`` (what was sent since an answer)."""
+_RESERVED_RESIDUE = 1e-6
+"""What float sums of costs taken and given back (estimates are not whole tokens) may leave over: status's
+``reserved`` rounds up only beyond it (a window with nothing reserved shows 0, not 1)."""
 
 
 def _frozen(limits: Mapping[str, int]) -> Mapping[str, int]:
@@ -142,15 +145,14 @@ class Bucket:
             if now > at:
                 level += self.rate * (now - at)
                 level = min(level, self.capacity)
-            missing = (min(self.capacity, amount)) - level - self.rate * _SLACK_SECONDS
-            return 0.0 if missing <= 0 else missing / self.rate
+            missing = (min(self.capacity, amount)) - level
+            return 0.0 if missing <= self.rate * _SLACK_SECONDS else missing / self.rate
         need = min(amount, self.capacity)
         start = max(now, self._at)
-        level = self.level(start)
-        missing = need - level - self.rate * _SLACK_SECONDS
-        if missing <= 0 and start == now:
-            return 0.0
-        return start - now + max(0.0, missing) / self.rate
+        missing = need - self.level(start)
+        if missing <= self.rate * _SLACK_SECONDS:
+            return start - now
+        return start - now + missing / self.rate
 
     def empty_until(self, until: float, now: float) -> None:
         """A window hit: nothing left, and no refill before ``until``."""
@@ -446,7 +448,7 @@ class WindowBook:
                     "limit": limit,
                     "source": source,
                     "available": math.floor(window.bucket.level(now)),
-                    "reserved": math.ceil(window.reserved),
+                    "reserved": math.ceil(window.reserved - _RESERVED_RESIDUE),
                     "held": (holding or {}).get((owner, pair_group, window.name), 0),
                     "held_total": window.held,
                     "hits": window.hits,

@@ -1,6 +1,6 @@
 """A provider limiter's token windows: which key a request with a window cost may take now, what holds a
 waiter that cannot, the one timer that wakes the queue when a held head's room will exist, and what the
-provider's answers say of the windows.
+provider's answers say of the windows, and the waiters of a model group costed again when its estimates moved.
 
 Pure, like the rest of the core: time and the timer come from the injected clock; the limiter that owns it
 is told through ``on_room`` (a window may have room now: grant waiters).
@@ -23,10 +23,13 @@ __all__ = ["ProviderWindows"]
 
 
 class ProviderWindows:
-    def __init__(self, settings: WindowSettings, clock: Clock, on_room: Callable[[], None]) -> None:
+    def __init__(self, settings: WindowSettings, clock: Clock, on_room: Callable[[], None],
+                 queue: ClassedQueue) -> None:
         self.book = WindowBook(settings)
         self._clock = clock
         self._on_room = on_room
+        self._queue = queue
+        """The owning limiter's queue, whose waiters ``recost`` costs again."""
         self.wake: float | None = None
         """When the earliest held head will have room (found by the limiter's last look at its queue)."""
         self.blocked: set[WindowId] = set()
@@ -37,12 +40,12 @@ class ProviderWindows:
 
     @classmethod
     def reloaded(cls, current: ProviderWindows | None, settings: WindowSettings | None, clock: Clock,
-                 on_room: Callable[[], None]) -> ProviderWindows | None:
+                 on_room: Callable[[], None], queue: ClassedQueue) -> ProviderWindows | None:
         """The windows after a config (re)load: none, new ones, or the current ones with their new limits."""
         if settings is None:
             return None
         if current is None:
-            return cls(settings, clock, on_room)
+            return cls(settings, clock, on_room, queue)
         if settings != current.book.settings:
             current.book.apply(settings, clock.time())
         return current
@@ -131,6 +134,25 @@ class ProviderWindows:
     def ended(self, lease: Lease) -> None:
         if lease.cost is not None and lease.group is not None:
             self.book.ended(lease.key, lease.group, lease.cost)
+
+    def recost(self, group: str) -> int:
+        """The estimates of model ``group`` moved (``providers.recost``, the rule): each of its waiters the
+        shell can cost again (``Waiter.recost``) takes its fresh cost in place, up or down. The queue's order is
+        (starred, prompt start, arrival), never the cost, so no heap moves: O(the group's waiters), and acquire
+        and release stay O(log n). Admission is looked at again at once, in queue order: a held head whose
+        cost dropped may go now, and the waiters behind it after it. Returns how many costs changed."""
+        changed = 0
+        for waiter in self._queue.of_group(group):
+            recost = waiter.recost
+            if recost is None or not waiter.queued:  # one taken out by an earlier one's estimate is left alone
+                continue
+            fresh = recost()
+            if fresh and fresh != waiter.cost:
+                waiter.cost = fresh
+                changed += 1
+        if changed:
+            self._on_room()
+        return changed
 
     # ----- what answers say ------------------------------------------------------------
 

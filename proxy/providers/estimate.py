@@ -49,10 +49,8 @@ from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-__all__ = [
-    "INPUT_WINDOW", "OUTPUT_WINDOW", "REQUESTS_WINDOW", "TOKENS_WINDOW",
-    "Estimate", "Estimator", "RequestBody", "actual_for",
-]
+__all__ = ["INPUT_WINDOW", "OUTPUT_WINDOW", "REQUESTS_WINDOW", "TOKENS_WINDOW", "Estimate", "Estimator", "RequestBody",
+           "actual_for"]
 
 INPUT_WINDOW = "input_tokens_per_minute"
 OUTPUT_WINDOW = "output_tokens_per_minute"
@@ -289,6 +287,11 @@ class Estimator:
         del key
         stats = self._group(group)
         stats.raised = min(MAX_RAISE, stats.raised * RAISE_BY)
+
+    def basis(self, group: str) -> tuple[bool, float, float | None, float | None]:
+        """What the group's estimates rest on now (``recost.Basis``): answered yet, ratio, output and image p90."""
+        stats = self._groups.get(group) or _Group()
+        return bool(stats.outputs.values), stats.ratio(), stats.outputs.p90, stats.images.p90
 
     def status(self, key: str | None, group: str, window: str | None = None) -> dict[str, float | None]:
         """The ratio in use and the recent errors ``actual/estimate - 1``: of ``window``'s estimates, or

@@ -662,7 +662,7 @@ async def test_the_window_limits_rule_is_the_same_in_lua(key_prefix: str) -> Non
     smaller holding when both give one, and the source of each, as ``WindowBook.limits_for`` finds them."""
     import json
 
-    from proxy.backends.redis.leases import windows_arg
+    from proxy.backends.redis.arguments import windows_arg
     from proxy.limiter.window import WindowBook, WindowSettings
 
     settings = WindowSettings(provider={"input_tokens_per_minute": 600, "requests_per_minute": 50},

@@ -195,3 +195,109 @@ async def test_the_sdks_work_through_windows(start_upstream, start_proxy) -> Non
     tpm = window_row(proxy, "tokens_per_minute", provider="openai", group="gpt-m")
     assert (tpm["limit"], tpm["source"], tpm["reserved"]) == (100_000, "both", 0)
     assert tpm["estimate_error_p50"] is not None, "reconciled from the answers' usage"
+
+
+# --- a group costed again once its estimates move (providers.recost) -----------------------------------------
+
+OTPM = 100_000
+"""Refills 1,667 output tokens a second: a request estimated at its max_tokens of 64,000 leaves room for one."""
+
+
+async def test_a_fleet_queued_on_its_prior_output_estimate_goes_once_the_first_answer_teaches_a_small_p90(
+        start_upstream, start_proxy, client, backend_yaml) -> None:
+    """A cold start: eight requests asking max_tokens 64,000 before their group has any answer, so each is
+    estimated at 64,000 against a 100,000 output window. The first goes and the others queue. Its answer (two
+    output tokens) teaches the group a p90 of two: the waiters are costed again at once and go together,
+    rather than one at a time as each answer gives its over-estimate back (eight answers of half a second)."""
+    up = await start_upstream(otpm=OTPM, chunks=2, delay_ms=500)
+    proxy = await start_proxy(anthropic_yaml(up, f"{{output_tokens_per_minute: {OTPM}}}", backend_yaml,
+                                             retry_on_429=0))
+    count = 8
+    started = time.monotonic()
+    statuses = await fleet(client, proxy, count, messages(max_tokens=64_000))
+    elapsed = time.monotonic() - started
+    assert statuses == [200] * count and upstream_429s(up) == 0
+    assert up.fake.stats()["max_concurrency"] >= count - 2, "after the first answer, the rest went together"
+    assert elapsed < 3.0, f"two answers' time, not eight: {elapsed:.2f} s"
+    await proxy.state.backend.refresh()
+    row = window_row(proxy, "output_tokens_per_minute")
+    assert (row["reserved"], row["held"], row["hits"]) == (0, 0, 0)
+    assert row["available"] > OTPM - 64_000, "the first request's over-estimate was given back"
+
+
+class _Backend:
+    """What ``Windowing`` asks of a backend, recorded: one output window of 100,000 on every group."""
+
+    def __init__(self) -> None:
+        self.recosted: list[tuple[str, str]] = []
+
+    def window_limits(self, provider: str, key: str | None, group: str | None) -> dict[str, int]:
+        return {"output_tokens_per_minute": OTPM}
+
+    def recost_windows(self, provider: str, group: str) -> None:
+        self.recosted.append((provider, group))
+
+    def settle_windows(self, *args: Any) -> None:
+        return None
+
+    def report_window_hit(self, *args: Any) -> None:
+        return None
+
+
+class _Lease:
+    key = None
+    group = "claude-m"
+
+    def __init__(self, cost: dict[str, float] | None) -> None:
+        self.cost = cost
+
+
+def _windowing() -> Any:
+    from proxy.http.windows import Windowing
+
+    return Windowing("anthropic", "anthropic", patterns=(), keys=(), learn=True, headroom=0.0)
+
+
+def test_waiters_are_costed_again_when_their_group_s_estimates_move_and_not_otherwise() -> None:
+    from proxy.http.windows import parsed_request
+    from proxy.providers.tokens import TokenCounts
+
+    windowing, backend = _windowing(), _Backend()
+    body = json.dumps(messages(max_tokens=64_000)).encode()
+    _, request = parsed_request("v1/messages", body)
+    costing = windowing.costing(backend, "claude-m", body, request)
+    assert costing.cost == {"output_tokens_per_minute": 64_000}, "no answer yet: the request's own maximum"
+
+    def answered(output: int) -> None:
+        lease = _Lease({"output_tokens_per_minute": 64_000.0})
+        windowing.settle(backend, lease, "claude-m", costing.estimates[0][0], TokenCounts(500, 0, 0, output))
+    answered(480)
+    assert backend.recosted == [("anthropic", "claude-m")], "the first answer moved the group's estimates"
+    assert costing() == {"output_tokens_per_minute": 480}
+    answered(500)
+    assert len(backend.recosted) == 1, "a p90 of 500 is within a fifth of the 480 it last moved to"
+    answered(5_000)
+    assert len(backend.recosted) == 2
+    windowing.hit(backend, None, "claude-m", 429, {}, b'{"type": "error", "error": {"type": "rate_limit_error", '
+                  b'"message": "This request would exceed your rate limit of 100,000 output tokens per minute."}}',
+                  1.0)
+    assert len(backend.recosted) == 3, "a window hit raises the ratio by a quarter: moved"
+    assert windowing.costing(backend, "other", body, request).cost == {"output_tokens_per_minute": 64_000}
+
+
+def test_a_lease_is_settled_against_the_estimate_its_grant_took() -> None:
+    from proxy.http.windows import parsed_request
+
+    windowing, backend = _windowing(), _Backend()
+    body = json.dumps(messages(max_tokens=64_000)).encode()
+    _, request = parsed_request("v1/messages", body)
+    costing = windowing.costing(backend, "claude-m", body, request)
+    first = costing.estimates[0][0]
+    from proxy.providers.tokens import TokenCounts
+
+    windowing.settle(backend, _Lease(None), "claude-m", first, TokenCounts(500, 0, 0, 480))
+    fresh = costing()
+    assert fresh == {"output_tokens_per_minute": 480}
+    assert costing.taken(_Lease({"output_tokens_per_minute": 64_000})) is first, "granted before the re-costing"
+    assert costing.taken(_Lease(dict(fresh))) is costing.estimates[-1][0]
+    assert costing.taken(_Lease(None)) is costing.estimates[-1][0]

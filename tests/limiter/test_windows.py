@@ -390,3 +390,17 @@ def test_a_reload_that_raises_a_window_keeps_what_was_spent_and_one_that_removes
     limiter.apply_settings(LimiterSettings(limit=10))
     assert rec.order == ["b"]
     assert "windows" not in limiter.statistics().to_dict()
+
+
+def test_a_refill_timer_grants_when_it_fires_where_the_clock_s_floats_are_coarse() -> None:
+    """Far from zero a float second has few bits after the point: the timer is set for when the whole amount
+    is there and the room counts a millisecond's refill as there, so it grants at once, never re-arming itself
+    for the same instant (it once spun for ever here)."""
+    limiter, clock = make(WindowSettings(provider={OTPM: 100_000}))
+    assert limiter.try_acquire(prio(), cost={OTPM: 64_000}, group="opus") is not None
+    rec = Recorder(limiter)
+    rec.enqueue("a", {OTPM: 41_000}, priority=prio(age=2))
+    rec.enqueue("b", {OTPM: 41_000}, priority=prio(age=1))
+    clock.advance(60)
+    assert rec.order == ["a", "b"]
+    assert clock.timers_set == 2

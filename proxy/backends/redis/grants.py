@@ -1,6 +1,7 @@
-"""A grant as the scripts write it, read back: "lease granted_at key", then ``w`` when its window cost was
-taken with it (``-`` when not, before what held it), then what held it while it waited, as a holder's code
-(``limiter.holding``: a level's code, or ``w:`` and the windows as JSON ``[[key, window], ...]``)."""
+"""A grant as the scripts write it, read back: "lease granted_at key" (key empty without a pool), then
+``w[version]`` when its window cost was taken with it (the cost of that version: 0 when none is written, see
+WINDOW_RECOST; ``-`` when none was taken, before what held it), then what held it while it waited, as a
+holder's code (``limiter.holding``: a level's code, or ``w:`` and the windows as JSON ``[[key, window], ...]``)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ class Grant(NamedTuple):
     granted_at: str
     key: str | None
     """The pool key it was granted on (None without a pool)."""
-    took: bool
-    """Its window cost was taken with the slot."""
+    version: int | None
+    """The version of its window cost taken with the slot (None: no window cost was taken)."""
     holder: str | None
     """What held it, in the words both backends use (None: it went straight through)."""
 
@@ -26,8 +27,10 @@ class Grant(NamedTuple):
 def read_grant(grant: str) -> Grant:
     lease_id, granted_at, *rest = grant.split(" ", 4)
     key = (rest[0] or None) if rest else None
+    took = rest[1] if len(rest) > 1 else ""
     held = rest[2] if len(rest) > 2 else None
-    return Grant(lease_id, granted_at, key, rest[1:2] == ["w"], None if held is None else holder_words(held))
+    return Grant(lease_id, granted_at, key, int(took[1:] or 0) if took[:1] == "w" else None,
+                 None if held is None else holder_words(held))
 
 
 def holder_words(code: str) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -20,9 +19,11 @@ from ...aio import result_if_any
 from ...errors import QueueFull, QueueTimeout, UnknownProvider
 from ...limiter import Clock, LimiterSettings, LoopClock, Priority, SlotLease, policy
 from ...limiter.deadlines import Deadlines
+from ...limiter.queue import Recost
 from ...limiter.watchdog import SlotWatchdog
 from ...limiter.window import OTHER_GROUP
 from ..memory import MemoryBackend
+from .arguments import cost_args, hint_from, layout_arg, windows_arg
 from .client import ScriptClient, Wire, text
 from .grants import read_grant
 from .status import limit_arg
@@ -35,6 +36,8 @@ _UNCONFIGURED = -2
 _SLOT_TIMEOUT = "slot_timeout"
 _TRANSPORT_ARGS = {"websocket": "ws"}
 """A waiter's transport as the scripts keep it: absent for HTTP (most waiters), ``ws`` for a WebSocket."""
+_NO_COST = ("", "", "")
+"""ENQUEUE's window cost, model group and cost version for a waiter without a window cost."""
 _RELEARN_SLOTS_AFTER = 0.5
 """A grant listener whose channel's slot a Cluster client did not know asks for the slots again after this."""
 
@@ -118,9 +121,9 @@ class _Waiter:
     ``expiring``: its queue_timeout passed and its CANCEL is on the way; a grant that lands now is
     handed back by that CANCEL, not taken."""
 
-    __slots__ = ("asked_at", "client_bound", "client_wait", "cost", "deadline", "deadline_armed", "expiring", "future",
-                 "gone", "group", "in_redis", "key", "local", "model", "pattern", "priority", "provider", "seq",
-                 "wait_limit", "waiter_id")
+    __slots__ = ("asked_at", "client_bound", "client_wait", "costs", "deadline", "deadline_armed", "expiring",
+                 "future", "gone", "group", "in_redis", "key", "local", "model", "pattern", "priority", "provider",
+                 "recost", "seq", "wait_limit", "waiter_id")
 
     def __init__(self, waiter_id: str, future: asyncio.Future[RedisLease], provider: str, priority: Priority,
                  asked_at: float) -> None:
@@ -143,9 +146,15 @@ class _Waiter:
         self.pattern: str | None = None
         self.deadline: float | None = None
         self.deadline_armed = False
-        self.cost: dict[str, float] | None = None
-        """What it takes from the windows of its model ``group`` when granted (None: no window cost)."""
+        self.costs: list[dict[str, float]] | None = None
+        """What it takes from the windows of its model ``group`` when granted: the last of these (None: no window
+        cost); each earlier one, by its version (its index), is what a grant naming that version took."""
         self.group: str | None = None
+        self.recost: Recost | None = None
+
+    @property
+    def cost(self) -> dict[str, float] | None:
+        return self.costs[-1] if self.costs else None
 
     @property
     def queued(self) -> bool:
@@ -207,7 +216,7 @@ class SlotKeeper(ScriptClient):
         recovering = policy.recovering_notice("{N}", "{TARGET}", settings.recovery_after or 0.0)
         done = await self._guarded("CONFIGURE", provider, limit_arg(settings.limit),
                                    int(settings.release_cooldown * 1000), recovering,
-                                   recovery_ms, self._lease_ttl_ms, self._channel, settle_ms, _layout(settings),
+                                   recovery_ms, self._lease_ttl_ms, self._channel, settle_ms, layout_arg(settings),
                                    windows_arg(settings))
         if done is not None:
             self._configured.add(provider)
@@ -226,13 +235,13 @@ class SlotKeeper(ScriptClient):
     async def acquire(self, provider: str, priority: Priority, *, seq: int | None = None,
                       client_wait: float | None = None, model: str | None = None,
                       key: str | None = None, cost: Mapping[str, float] | None = None,
-                      group: str | None = None) -> SlotLease:
+                      group: str | None = None, recost: Recost | None = None) -> SlotLease:
         settings = self._settings.get(provider)
         if settings is None:
             raise UnknownProvider.named(provider)
         if not self.healthy and self._mode == "local":
             return await self._local.acquire(provider, priority, seq=seq, client_wait=client_wait, model=model,
-                                             key=key, cost=cost, group=group)
+                                             key=key, cost=cost, group=group, recost=recost)
         loop = asyncio.get_running_loop()
         waiter_id = f"{self.replica}-{next(self._ids)}"
         waiter = _Waiter(waiter_id, loop.create_future(), provider, priority, loop.time())
@@ -241,7 +250,7 @@ class SlotKeeper(ScriptClient):
         waiter.model = model
         waiter.key = key if settings.pool() else None
         if cost:
-            waiter.cost, waiter.group = dict(cost), group or OTHER_GROUP
+            waiter.costs, waiter.group, waiter.recost = [dict(cost)], group or OTHER_GROUP, recost
         if settings.models:
             waiter.pattern = policy.model_pattern(model, [cap.pattern for cap in settings.models])
         waiter.deadline = None if waiter.wait_limit is None else self.clock.time() + waiter.wait_limit
@@ -306,7 +315,7 @@ class SlotKeeper(ScriptClient):
         answer = await self._guarded("CANCEL", waiter.provider, waiter.waiter_id, self._lease_ttl_ms,
                                      self._channel, "0", "1")
         if answer is not None:
-            hint = _hint_from(answer)
+            hint = hint_from(answer)
         log.warning("provider=%s request from workspace=%s timed out after %.1fs in the queue", waiter.provider,
                     waiter.priority.workspace, asyncio.get_running_loop().time() - waiter.asked_at)
         if not waiter.future.done():
@@ -329,7 +338,8 @@ class SlotKeeper(ScriptClient):
                     waiter.local = True
                     return await self._local.acquire(waiter.provider, waiter.priority, seq=seq,
                                                      client_wait=waiter.client_wait, model=waiter.model,
-                                                     key=waiter.key, cost=waiter.cost, group=waiter.group)
+                                                     key=waiter.key, cost=waiter.cost, group=waiter.group,
+                                                     recost=waiter.recost)
                 self._arm_deadline(waiter)
                 await self._wait_or_expire(waiter)
         status, detail, waiter.seq = int(result[0]), text(result[1]), int(result[2])
@@ -343,7 +353,7 @@ class SlotKeeper(ScriptClient):
             return await waiter.future
         if status == -1:
             raise QueueFull(f"slotproxy queue for provider '{waiter.provider}' is full ({settings.max_queue} "
-                            "waiting); retry later", retry_after=_hint_from(detail))
+                            "waiting); retry later", retry_after=hint_from(detail))
         if status == 1:
             return self._adopt(waiter_id, waiter, detail)
         waiter.in_redis = True
@@ -370,7 +380,7 @@ class SlotKeeper(ScriptClient):
                 settings.max_queue, self._channel, waiter.pattern or "",
                 (self._sticky.get(priority.conversation) or "") if settings.keys else "",
                 waiter.key or "", _TRANSPORT_ARGS.get(priority.transport, ""), (waiter.model or "")[:256],
-                "" if waiter.cost is None else json.dumps(waiter.cost), waiter.group or "")
+                *(_NO_COST if waiter.costs is None else cost_args(waiter.costs, waiter.group)))
         result = await self._run("ENQUEUE", waiter.provider, *args)
         if int(result[0]) == _UNCONFIGURED:
             await self._configure_one(waiter.provider)
@@ -380,14 +390,14 @@ class SlotKeeper(ScriptClient):
         return result
 
     def _adopt(self, waiter_id: str, waiter: _Waiter, grant: str) -> RedisLease:
-        lease_id, granted_at, key, took, holder = read_grant(grant)
+        lease_id, granted_at, key, version, holder = read_grant(grant)
         queue_wait = asyncio.get_running_loop().time() - waiter.asked_at
         lease = RedisLease(self, waiter.provider, waiter_id, lease_id, int(granted_at), queue_wait, waiter.priority,
                            waiter.seq or 0, key)
         lease.holder = holder
         lease.starred = waiter.priority.starred or waiter.priority.workspace in self._starred
-        if took:
-            lease.cost, lease.group = waiter.cost, waiter.group
+        if version is not None and waiter.costs:
+            lease.cost, lease.group = waiter.costs[min(version, len(waiter.costs) - 1)], waiter.group
         self._sticky.remember(waiter.priority.conversation, key)
         self._leases[lease_id] = lease
         self._watchdogs[waiter.provider].hold(lease)
@@ -569,29 +579,3 @@ class SlotKeeper(ScriptClient):
             keep = "1" if waiter_id in self._leases else "0"
             self._spawn(self._guarded("CANCEL", waiter.provider, waiter_id, self._lease_ttl_ms, self._channel, keep,
                                       "0"))
-
-def _hint_from(answer: Any) -> float:
-    """Retry-After from a script's "paused_until now" (ms), by the policy's rule."""
-    paused_until, now = (int(part) for part in text(answer).split(" "))
-    return policy.retry_after_hint(now / 1000, paused_until / 1000 if paused_until else None)
-
-
-def _layout(settings: LimiterSettings) -> str:
-    """The provider's keys, model caps and share, as CONFIGURE stores them for the scripts."""
-    layout: dict[str, Any] = {
-        "keys": [{"n": key.name, "l": limit_arg(key.limit), "a": 1 if key.available else 0} for key in settings.keys],
-        "models": [{"p": cap.pattern, "l": limit_arg(cap.limit)} for cap in settings.models],
-    }
-    if settings.max_share is not None:
-        layout["share"] = settings.max_share
-    return json.dumps(layout)
-
-
-def windows_arg(settings: LimiterSettings) -> str:
-    """The provider's window settings as CONFIGURE stores them for the scripts ('' : no window is held)."""
-    windows = settings.windows
-    if windows is None:
-        return ""
-    return json.dumps({"p": dict(windows.provider), "m": {p: dict(m) for p, m in windows.models.items()},
-                       "k": {k: dict(m) for k, m in windows.keys.items()}, "learn": windows.learn,
-                       "h": windows.headroom}, sort_keys=True)

@@ -69,13 +69,14 @@ from .lua_prelude import PRELUDE
 
 __all__ = ["BACKOFF", "BUDGET", "CANCEL", "CONFIGURE", "DISPATCH", "ENQUEUE", "PICK_KEY", "RELEASE", "RENEW", "RESTAR",
            "SET_COOLDOWN", "SET_LIMIT", "STATS", "USAGE_ADD", "WINDOW_CORRECT", "WINDOW_HIT", "WINDOW_LEARN",
-           "WINDOW_SETTLE"]
+           "WINDOW_RECOST", "WINDOW_SETTLE"]
 
 ENQUEUE = PRELUDE + r"""
 -- ARGV: id, replica, workspace, header_starred, prompt_ms, conversation, seq ('' = new),
 --       lease_ttl, waiter_ttl, max_queue, channel, model cap pattern ('' = none), preferred key ('' = none),
 --       pinned key ('' = any key of the pool), transport ('' = http, 'ws' = websocket), model ('' = none named),
---       window cost (JSON, window name -> amount; '' = none), model group of its windows
+--       window cost (JSON, window name -> amount; '' = none), model group of its windows,
+--       the cost's version ('' = 0: costed once; see WINDOW_RECOST)
 local now = now_ms()
 cleanup(now)
 local done = redis.call('HGET', KEYS[7], ARGV[1])
@@ -97,7 +98,7 @@ local cost = ARGV[17] ~= '' and ARGV[17] or nil
 local info = {m = waiter_member(starred, tonumber(ARGV[5]), seq, ARGV[1]), r = ARGV[2], w = ARGV[3], s = ARGV[4],
   p = tonumber(ARGV[5]), q = seq, c = ARGV[6], t = now, pt = ARGV[12], k = ARGV[13],
   cl = waiter_class(ARGV[12], ARGV[3], ARGV[14], cost and ARGV[18])}
-if cost then info.wc, info.wg = cost, ARGV[18] end
+if cost then info.wc, info.wg, info.wv = cost, ARGV[18], tonumber(ARGV[19]) end
 if ARGV[14] ~= '' then info.kp = ARGV[14] end
 if ARGV[15] ~= '' then info.tr = ARGV[15] end
 if ARGV[16] ~= '' then info.md = ARGV[16] end
@@ -485,6 +486,33 @@ for i = 5, #ARGV, 2 do
   end
 end
 if learned and window_refresh(ARGV[3], ARGV[4], now) then
+  cleanup(now)
+  dispatch(now, tonumber(ARGV[1]), ARGV[2])
+end
+return tostring(next_event(now))
+"""
+
+WINDOW_RECOST = PRELUDE + r"""
+-- ARGV: lease_ttl, channel, then (waiter id, version, window cost JSON) triples: one replica's own waiters of one
+-- model group, costed again because the group's estimates moved (proxy.providers.recost has the rule; this only
+-- applies it, as ProviderWindows.recost does). A waiter no longer queued (granted, gone) keeps what it took; a
+-- version not newer than the waiter's own is stale (an earlier re-costing that arrived late) and changes nothing.
+-- The queue member holds no cost, so no entry moves. Then admission runs at once, as after a grant; a grant of a
+-- re-costed waiter names the version it took (' w<version>').
+local now = now_ms()
+if layout().win == nil then return tostring(next_event(now)) end
+local changed = false
+for i = 3, #ARGV, 3 do
+  local raw = redis.call('HGET', KEYS[5], ARGV[i])
+  local info = raw and cjson.decode(raw)
+  local version = tonumber(ARGV[i + 1])
+  if info and info.wc and (info.wv or 0) < version then
+    info.wc, info.wv = ARGV[i + 2], version
+    redis.call('HSET', KEYS[5], ARGV[i], cjson.encode(info))
+    changed = true
+  end
+end
+if changed then
   cleanup(now)
   dispatch(now, tonumber(ARGV[1]), ARGV[2])
 end

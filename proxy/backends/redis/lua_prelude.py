@@ -383,7 +383,8 @@ local function grant(id, info, key, now, lease_ttl, channel)
   if key ~= '' then table.insert(levels, 'k:' .. key) end
   if info.pt and info.pt ~= '' and layout().capped[info.pt] then table.insert(levels, 'm:' .. info.pt) end
   count_against_budget(key ~= '' and level_hash('k:' .. key) or KEYS[1], now)
-  -- with windows, its cost is taken at once with the slots (the grant says so: ' w')
+  -- with windows, its cost is taken at once with the slots (the grant says so: ' w', and which cost when it was
+  -- costed again: ' w<version>')
   local took = layout().win ~= nil and info.wc ~= nil and info.wg ~= nil
   if took then window_take(key, info.wg, cjson.decode(info.wc), now) end
   redis.call('ZADD', KEYS[2], now + lease_ttl, id)
@@ -395,8 +396,9 @@ local function grant(id, info, key, now, lease_ttl, channel)
     s = string.sub(info.m, 1, 1) == '0', tr = info.tr, t = now, g = granted, wc = took and info.wc or nil,
     wg = took and info.wg or nil}))
   redis.call('HINCRBY', BASE .. 'wsheld', info.w, 1)
-  -- "lease granted_at key", then ' w' if it took its window cost ('-' if not, before what held it), then what held it
-  local grant_text = id .. ' ' .. now .. ' ' .. key .. (took and ' w' or '')
+  -- "lease granted_at key", then ' w<version>' if it took its window cost ('-' if not, before what held it), then
+  -- what held it
+  local grant_text = id .. ' ' .. now .. ' ' .. key .. (took and (' w' .. (info.wv or '')) or '')
   local held = held_code(info)
   if held ~= '' then grant_text = grant_text .. (took and ' ' or ' - ') .. held end
   redis.call('HSET', KEYS[7], id, grant_text)

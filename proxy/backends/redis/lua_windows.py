@@ -23,7 +23,7 @@ __all__ = ["WINDOWS"]
 WINDOWS = r"""
 local WINDOW_NAMES = {'input_tokens_per_minute', 'output_tokens_per_minute', 'tokens_per_minute',
   'requests_per_minute'}
-local REFILL_MS, SLACK_MS, RECENT_MS, MAX_GROUPS = 60000, 1, 120000, 512
+local REFILL_MS, SLACK_MS, RECENT_MS, MAX_GROUPS, RESERVED_RESIDUE = 60000, 1, 120000, 512, 1e-6
 
 local function f17(x) return string.format('%.17g', x) end
 
@@ -59,13 +59,14 @@ local function bucket_save(b)
   redis.call('HSET', b.hash, 'cap', f17(b.cap), 'level', f17(b.level), 'at', f17(b.at))
 end
 
--- Window.Bucket.wait_for, in ms: more than the whole capacity waits for a full bucket.
+-- Window.Bucket.wait_for, in ms: more than the whole capacity waits for a full bucket; room a millisecond's
+-- refill would make counts as there, and a wait lasts until the whole amount is.
 local function bucket_wait(b, amount, now)
   local need = math.min(amount, b.cap)
   local start = math.max(now, b.at)
-  local missing = need - bucket_level(b, start) - bucket_rate(b) * SLACK_MS
-  if missing <= 0 and start == now then return 0 end
-  return start - now + math.max(0, missing) / bucket_rate(b)
+  local missing = need - bucket_level(b, start)
+  if missing <= bucket_rate(b) * SLACK_MS then return start - now end
+  return start - now + missing / bucket_rate(b)
 end
 
 local function bucket_take(b, amount, now)
@@ -375,7 +376,8 @@ local function window_rows(now)
       local v = redis.call('HMGET', b.hash, 'limit', 'source', 'reserved', 'held')
       table.insert(rows, {k = string.sub(pid, 1, cut - 1), g = string.sub(pid, cut + 1), w = b.name,
         limit = tonumber(v[1]), source = v[2], available = math.floor(bucket_level(b, now)),
-        reserved = math.ceil(tonumber(v[3]) or 0), held = holding[b.wid] or 0, held_total = tonumber(v[4]) or 0,
+        reserved = math.ceil((tonumber(v[3]) or 0) - RESERVED_RESIDUE), held = holding[b.wid] or 0,
+        held_total = tonumber(v[4]) or 0,
         hits = tonumber(redis.call('HGET', BASE .. 'whits', b.wid) or '0')})
     end
   end

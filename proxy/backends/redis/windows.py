@@ -1,9 +1,11 @@
 """Token windows held fleet-wide: what answers say of a provider's windows (usage to settle with, window
 429s, the limits and room the headers announce) sent to the scripts that keep its buckets in Redis
-(``lua_windows``), and the window limits in force, which the relay asks before it estimates a cost."""
+(``lua_windows``), the window limits in force, which the relay asks before it estimates a cost, and this
+replica's waiters costed again when their model group's estimates moved."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +53,27 @@ class WindowKeeper(SlotKeeper):
         if fours:
             self._send("WINDOW_SETTLE", provider, (self._lease_ttl_ms, self._channel, lease.key or "", lease.group,
                                                    *fours), self._dispatch_at(provider))
+
+    def recost_windows(self, provider: str, group: str) -> None:
+        """Only this replica's own waiters (it knows their ids; each replica's estimator learns from its own
+        answers), all in one WINDOW_RECOST, which keeps their places and dispatches at once, as a release
+        would. Each new cost is a new version of the waiter's cost: the grant names the version it took, so a
+        grant that was on its way while the script was (its message may arrive before the script's answer)
+        takes the cost Redis took. A waiter served from this replica's own limiter is costed there."""
+        self._local.recost_windows(provider, group)
+        triples: list[str | int] = []
+        for waiter_id, waiter in self._waiters.items():
+            costs, recost = waiter.costs, waiter.recost
+            if costs is None or recost is None or waiter.provider != provider or waiter.group != group \
+                    or not waiter.queued:
+                continue
+            fresh = recost()
+            if fresh and fresh != costs[-1]:
+                costs.append(dict(fresh))
+                triples += (waiter_id, len(costs) - 1, json.dumps(costs[-1]))
+        if triples:
+            self._send("WINDOW_RECOST", provider, (self._lease_ttl_ms, self._channel, *triples),
+                       self._dispatch_at(provider))
 
     def report_window_hit(self, provider: str, key: str | None, group: str | None, window: str,
                           until: float) -> None:
