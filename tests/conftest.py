@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import textwrap
 import time
@@ -108,13 +107,6 @@ async def start_proxy(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
 async def client() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         yield session
-
-
-def free_port() -> int:
-    """A loopback port nothing listens on (also what tests use as an unreachable upstream)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def serve_app(app: web.Application) -> tuple[web.AppRunner, int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -16,6 +15,7 @@ import redis
 from proxy.backends import MemoryBackend
 from proxy.backends.redis import RedisBackend, RedisTarget
 
+from ..ports import free_port
 from .topology import SERVICE, ClusterTopology, SentinelTopology
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -100,9 +100,7 @@ class PrivateRedis:
     """A redis-server of the test's own, on a free port, that the test may stop and start."""
 
     def __init__(self) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.process: subprocess.Popen[bytes] | None = None
 

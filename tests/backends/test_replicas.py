@@ -17,7 +17,8 @@ import aiohttp
 import pytest
 import redis
 
-from ..conftest import chat, free_port, wait_healthy
+from ..conftest import chat, wait_healthy
+from ..ports import free_port
 from .conftest import REDIS_URL, require_redis
 
 pytestmark = pytest.mark.asyncio

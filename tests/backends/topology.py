@@ -2,18 +2,17 @@
 three-primary Redis Cluster, each process a ``redis-server`` from Debian's package on a free port of its own,
 in a folder of its own, stopped by PID.
 
-Started once per test session (``sentinel_topology`` and ``cluster_topology`` in ``conftest.py``), only when a
-test asks for one. A test may kill a process (a failover) and start it again.
+Started once per test session, in each pytest-xdist worker that runs a test asking for one
+(``sentinel_topology`` and ``cluster_topology`` in ``conftest.py``), on ports of that worker's own
+(``tests/ports.py``). A test may kill a process (a failover) and start it again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -22,43 +21,12 @@ from pathlib import Path
 
 import redis
 
-__all__ = ["ClusterTopology", "RedisProcess", "SentinelTopology", "free_ports"]
+from ..ports import free_ports
+
+__all__ = ["ClusterTopology", "RedisProcess", "SentinelTopology"]
 
 SERVICE = "slotproxy-test"
 _START_TIMEOUT = 20.0
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports nothing listens on now (held open together, so they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _cluster_ports(count: int) -> list[int]:
-    """Ports for cluster nodes: each node also listens on its port + 10 000 (the cluster bus), so both must be
-    free, and below 65 536."""
-    found: list[int] = []
-    rng = random.Random()
-    while len(found) < count:
-        port = rng.randrange(20_000, 45_000)
-        if port in found:
-            continue
-        try:
-            for candidate in (port, port + 10_000):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", candidate))
-        except OSError:
-            continue
-        found.append(port)
-    return found
 
 
 def _binary() -> str:
@@ -222,7 +190,7 @@ class ClusterTopology:
     @classmethod
     def start(cls) -> ClusterTopology:
         folder = Path(tempfile.mkdtemp(prefix="slotproxy-cluster-"))
-        ports = _cluster_ports(3)
+        ports = free_ports(3, bus=True)
         nodes = [RedisProcess(port, folder / f"node-{port}", _data_config(
             port, "cluster-enabled yes\ncluster-config-file nodes.conf\ncluster-node-timeout 2000\n"))
             for port in ports]

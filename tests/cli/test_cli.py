@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import free_port
+from ..ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from proxy.cli.clients import guide, render, setup_from_config, setup_from_status
 from proxy.config import parse_config
 
-from ..conftest import free_port
+from ..ports import free_port
 from .test_cli import run_cli
 from .test_clients_command import EXAMPLE, URL, clients, toml_blocks, write
 

@@ -29,7 +29,7 @@ import pytest
 
 from proxy.cli.status import format_status
 
-from ..conftest import free_port
+from ..ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = 1_796_284_287_440  # 2026-12-03 07:51:27.440 UTC; the PAUSED_UNTIL 1796284299940 is 12.5 s later

@@ -14,7 +14,8 @@ import aiohttp
 
 from proxy.ledger.report import UsageQuery, format_usage, parse_query
 
-from ..conftest import Proxy, Upstream, free_port
+from ..conftest import Proxy, Upstream
+from ..ports import free_port
 
 FIGURES = {"input": 1200, "cached": 1000, "cache_write": 50, "output": 90, "reasoning": 30}
 ANTHROPIC = {"x-api-key": "k", "anthropic-version": "2023-06-01", "x-fake-usage": json.dumps(FIGURES)}

@@ -37,7 +37,8 @@ from proxy.http.connections import ConnectionGuard, ConnectionSettings, connecti
 from proxy.http.runtime import ProxyState
 from proxy.server.app import start_server
 
-from ..conftest import Proxy, chat, free_port, serve_app, wait_until
+from ..conftest import Proxy, chat, serve_app, wait_until
+from ..ports import free_port
 from ..system.test_security import REPO, stop, wait_healthy
 from .test_bad_input import (
     RawResponse,

@@ -26,7 +26,7 @@ from proxy.limiter import auto_reduce_notice
 from proxy.server.app import start_server
 
 from ..cli.test_cli import wait_http
-from ..conftest import free_port
+from ..ports import free_port
 
 
 def config_text(state_path: Path, limit: int = 4, starred: str = "[]") -> str:

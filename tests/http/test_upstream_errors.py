@@ -26,7 +26,8 @@ from aiohttp.client_reqrep import ConnectionKey
 from proxy.errors import UpstreamTimeout, UpstreamUnreachable
 from proxy.http import upstream_errors
 
-from ..conftest import chat, free_port, serve_app, wait_until
+from ..conftest import chat, serve_app, wait_until
+from ..ports import free_port
 from ..system.test_security import _self_signed
 from .test_bad_input import assert_error
 from .test_websocket import upgrade

@@ -15,7 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import WSMsgType, web
 
-from ..conftest import Proxy, Upstream, chat, free_port, serve_app, wait_until
+from ..conftest import Proxy, Upstream, chat, serve_app, wait_until
+from ..ports import free_port
 
 pytestmark = pytest.mark.asyncio
 

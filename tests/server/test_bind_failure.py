@@ -30,7 +30,7 @@ from proxy.server.bind import BindFailed, describe, unprivileged_port_start
 from proxy.server.workers import reserve
 
 from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
-from ..conftest import free_port
+from ..ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_HERE = "192.0.2.1"  # TEST-NET-1 (RFC 5737): no machine has it

@@ -24,7 +24,8 @@ from proxy.server.app import start_server
 from proxy.server.run import ConfigWatcher
 
 from ..cli.test_cli import wait_http
-from ..conftest import chat, free_port, wait_until
+from ..conftest import chat, wait_until
+from ..ports import free_port
 
 
 def write_config(path: Path, upstream_url: str, limit: int | str, extra: str = "") -> None:

@@ -21,7 +21,8 @@ from proxy.http.runtime import ProxyState
 from proxy.server.app import start_server
 
 from ..backends.conftest import REDIS_URL, require_redis
-from ..conftest import chat, free_port, wait_healthy
+from ..conftest import chat, wait_healthy
+from ..ports import free_port
 
 pytestmark = pytest.mark.asyncio
 

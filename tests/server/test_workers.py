@@ -29,7 +29,8 @@ import pytest
 from proxy.server.workers import Supervisor
 
 from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
-from ..conftest import chat, free_port
+from ..conftest import chat
+from ..ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

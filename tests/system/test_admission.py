@@ -9,7 +9,8 @@ import openai
 import pytest
 from aiohttp import web
 
-from ..conftest import Upstream, chat, free_port, provider_yaml, serve_app, wait_until
+from ..conftest import Upstream, chat, provider_yaml, serve_app, wait_until
+from ..ports import free_port
 
 pytestmark = pytest.mark.asyncio
 

@@ -32,7 +32,8 @@ import yaml
 from proxy.config import Config, parse_config
 from proxy.http.guard import BrowserGuard
 
-from ..conftest import Proxy, free_port, provider_yaml
+from ..conftest import Proxy, provider_yaml
+from ..ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ..conftest import free_port
+from ..ports import free_port
 from .test_client_guides import DOC_URL, _curl_request, python_block, sh_block
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from ..conftest import Proxy, Upstream, chat, free_port, provider_yaml, wait_until
+from ..conftest import Proxy, Upstream, chat, provider_yaml, wait_until
+from ..ports import free_port
 
 pytestmark = pytest.mark.asyncio
 

@@ -32,7 +32,7 @@ from aiohttp import web
 
 from proxy.logs import setup_logging
 
-from ..conftest import chat, free_port, wait_until
+from ..conftest import chat, wait_until
 from ..http.test_bad_input import (
     Recorder,
     assert_error,
@@ -40,6 +40,7 @@ from ..http.test_bad_input import (
     request_bytes,
     send_raw,
 )
+from ..ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

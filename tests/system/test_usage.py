@@ -20,8 +20,9 @@ import aiohttp
 import pytest
 
 from ..backends.conftest import REDIS_URL, delete_prefix, require_redis
-from ..conftest import Proxy, Upstream, chat, free_port, wait_healthy, wait_until
+from ..conftest import Proxy, Upstream, chat, wait_healthy, wait_until
 from ..conftest import ledger_rows as rows
+from ..ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = ("input_tokens", "cached_input_tokens", "cache_write_tokens", "output_tokens", "reasoning_tokens")

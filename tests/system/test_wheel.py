@@ -16,7 +16,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-from ..conftest import free_port
+from ..ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from ..conftest import free_port, serve_app, wait_until
+from ..conftest import serve_app, wait_until
+from ..ports import free_port
 
 pb_trace = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 pb_metrics = pytest.importorskip("opentelemetry.proto.collector.metrics.v1.metrics_service_pb2")

@@ -19,7 +19,8 @@ from proxy.server.app import start_server
 from proxy.server.run import ConfigWatcher
 from proxy.telemetry import INSTALL_LINE
 
-from ..conftest import free_port, wait_healthy, wait_until
+from ..conftest import wait_healthy, wait_until
+from ..ports import free_port
 from .conftest import Collector, start_collector, telemetry_yaml
 from .test_off import HIDE_OPENTELEMETRY, environment
 
