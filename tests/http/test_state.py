@@ -30,8 +30,10 @@ from ..ports import free_port
 
 
 def config_text(state_path: Path, limit: int = 4, starred: str = "[]") -> str:
+    """The ledger goes beside the state file: a config with no file would put it in the working directory."""
     return textwrap.dedent(f"""\
         state: {{path: '{state_path}'}}
+        ledger: {{path: '{state_path.parent / "ledger.sqlite"}'}}
         workspaces: {{starred: {starred}}}
         providers:
           openai: {{upstream: 'http://127.0.0.1:9/v1', limit: {limit}}}
