@@ -13,7 +13,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from proxy.backends.redis.client import ScriptBatch, packing_in_c, reconnect_once
 
-from .conftest import REDIS_URL, require_redis
+from .conftest import REDIS_URL, PrivateRedis, require_redis
 
 pytestmark = pytest.mark.asyncio
 
@@ -24,13 +24,25 @@ SCRIPTS = {
 }
 
 
+def batch_client(url: str) -> aioredis.Redis:
+    name = f"slotproxy-batch-test-{uuid.uuid4().hex[:8]}"
+    pool = aioredis.BlockingConnectionPool.from_url(url, retry=reconnect_once(), client_name=name)
+    pool.connection_class = packing_in_c(pool.connection_class)
+    return aioredis.Redis(connection_pool=pool)
+
+
 @pytest.fixture
 async def redis_client() -> AsyncIterator[aioredis.Redis]:
     require_redis()
-    name = f"slotproxy-batch-test-{uuid.uuid4().hex[:8]}"
-    pool = aioredis.BlockingConnectionPool.from_url(REDIS_URL, retry=reconnect_once(), client_name=name)
-    pool.connection_class = packing_in_c(pool.connection_class)
-    client = aioredis.Redis(connection_pool=pool)
+    client = batch_client(REDIS_URL)
+    yield client
+    await client.aclose(close_connection_pool=True)
+
+
+@pytest.fixture
+async def own_redis_client(private_redis: PrivateRedis) -> AsyncIterator[aioredis.Redis]:
+    """On a Redis of the test's own: SCRIPT FLUSH empties a whole server's script cache, not one client's."""
+    client = batch_client(private_redis.url)
     yield client
     await client.aclose(close_connection_pool=True)
 
@@ -45,10 +57,10 @@ async def test_each_call_of_a_batch_gets_its_own_answer_and_an_error_only_its_ow
     assert isinstance(answers[1], ResponseError) and "refused by the script" in str(answers[1])
 
 
-async def test_scripts_a_flushed_redis_forgot_are_loaded_again(redis_client) -> None:
-    batch = ScriptBatch(redis_client, SCRIPTS)
+async def test_scripts_a_flushed_redis_forgot_are_loaded_again(own_redis_client) -> None:
+    batch = ScriptBatch(own_redis_client, SCRIPTS)
     assert await batch.call("SUM", keys=[], args=(1, 1)) == 2
-    await redis_client.script_flush()
+    await own_redis_client.script_flush()
     answers = await asyncio.gather(batch.call("SUM", keys=[], args=(2, 2)), batch.call("ECHO", keys=[], args=("x",)))
     await batch.close()
     assert answers == [4, b"x"]
