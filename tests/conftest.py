@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import subprocess
+import tempfile
 import textwrap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -107,6 +111,15 @@ async def start_proxy(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator
 async def client() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(auto_decompress=False) as session:
         yield session
+
+
+@contextlib.contextmanager
+def machine_lock(name: str) -> Iterator[None]:
+    """Held by one test at a time on this machine, whichever process runs it (the suite's xdist workers, or the
+    suite of another checkout): for what two must not do at once. The lock goes when its process does."""
+    with open(Path(tempfile.gettempdir()) / f"slotproxy-test-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 async def serve_app(app: web.Application) -> tuple[web.AppRunner, int]:

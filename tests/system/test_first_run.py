@@ -32,6 +32,7 @@ import yaml
 
 from ..ports import free_port
 from .test_client_guides import DOC_URL, _curl_request, python_block, sh_block
+from .test_wheel import building_in_the_checkout
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
@@ -89,9 +90,10 @@ def fresh_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True, timeout=30).stdout.strip()
     Path(purelib, "test-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                    "--no-build-isolation", "--quiet", "-e", str(REPO)],
-                   check=True, timeout=120, capture_output=True)
+    with building_in_the_checkout():
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                        "--no-build-isolation", "--quiet", "-e", str(REPO)],
+                       check=True, timeout=120, capture_output=True)
     assert (root / "bin" / "slotproxy").is_file()
     return root / "bin"
 

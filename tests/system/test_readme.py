@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from ..conftest import machine_lock
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -93,43 +100,53 @@ def test_readme_serve_command_uses_the_example_config() -> None:
     assert (REPO / "config.example.yaml").is_file()
 
 
-def test_the_readme_serve_command_runs_exactly_as_written() -> None:
-    """The first Quick start command, verbatim, in the repository (venv, install, serve on 8787)."""
-    import json
-    import os
-    import signal
-    import socket
-    import subprocess
-    import time
-    import urllib.request
+README_PORT = 8787
 
+
+def checkout_copy(into: Path) -> Path:
+    """This checkout's files as a clone has them: .git, what .gitignore names (the virtualenv, builds, state
+    files) and the linters' caches (which ignore themselves) left out."""
+    ignored = [line.strip().rstrip("/") for line in (REPO / ".gitignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")]
+    shutil.copytree(REPO, into, ignore=shutil.ignore_patterns(".git", ".*_cache", *ignored))
+    return into
+
+
+def test_the_readme_serve_command_runs_exactly_as_written(tmp_path: Path) -> None:
+    """The first Quick start command, verbatim, in a copy of this checkout as a clone has it (venv, install,
+    serve on 8787). Not in the checkout itself: its .venv may be the one running the tests, and the command's
+    ``pip install -e .`` reinstalls the package there, from under the tests running beside this one."""
     line = next(line for line in README.splitlines() if "slotproxy serve --config config.example.yaml" in line)
-    with socket.socket() as probe:
-        if probe.connect_ex(("127.0.0.1", 8787)) == 0:
-            raise AssertionError("port 8787 is taken; the README command serves there (stop what holds it)")
-    state = REPO / "slotproxy-state.json"
-    existed = state.exists()
-    process = subprocess.Popen(["bash", "-c", line], cwd=REPO, start_new_session=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    work = checkout_copy(tmp_path / "clone")
     try:
-        deadline = time.monotonic() + 240
-        while True:
+        with machine_lock(f"port-{README_PORT}"):  # the one fixed port the suite serves on
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", README_PORT)) == 0:
+                    raise AssertionError(f"port {README_PORT} is taken; the README command serves there (stop what "
+                                         "holds it)")
+            process = subprocess.Popen(["bash", "-c", line], cwd=work, start_new_session=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             try:
-                with urllib.request.urlopen("http://127.0.0.1:8787/_slotproxy/status", timeout=2) as response:
-                    status = json.load(response)
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"the README command did not serve: {process.communicate()[0][-2000:]}")
-                time.sleep(0.5)
-        assert [p["provider"] for p in status["providers"]] == ["openai", "anthropic"]
+                deadline = time.monotonic() + 240
+                while True:
+                    try:
+                        with urllib.request.urlopen(f"http://127.0.0.1:{README_PORT}/_slotproxy/status",
+                                                    timeout=2) as response:
+                            status = json.load(response)
+                        break
+                    except OSError:
+                        if process.poll() is not None or time.monotonic() > deadline:
+                            raise AssertionError("the README command did not serve: "
+                                                 f"{process.communicate()[0][-2000:]}")
+                        time.sleep(0.5)
+                assert [p["provider"] for p in status["providers"]] == ["openai", "anthropic"]
+            finally:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGTERM)
+                process.communicate(timeout=60)
+        assert process.returncode == 0
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-        process.communicate(timeout=60)
-        if not existed and state.exists():
-            state.unlink()
-    assert process.returncode == 0
+        shutil.rmtree(work, ignore_errors=True)  # a virtualenv: too big to leave to pytest's tmp_path rotation
 
 
 # --- the README is a front page ------------------------------------------------------------------------

@@ -3,6 +3,8 @@ example config and its dashboard (the page ships inside the wheel)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
@@ -16,15 +18,23 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+from ..conftest import machine_lock
 from ..ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+def building_in_the_checkout() -> contextlib.AbstractContextManager[None]:
+    """Whatever the output folder, setuptools writes build/ and slotproxy.egg-info/ in the checkout, here and in
+    test_first_run's editable install: one build at a time."""
+    return machine_lock(f"build-{hashlib.sha256(str(REPO).encode()).hexdigest()[:12]}")
+
+
 def _build_wheel(out: Path) -> Path:
     """Built with this environment's setuptools (no download: the test extras hold setuptools>=77)."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                    "--wheel-dir", str(out), str(REPO)], check=True, timeout=180, capture_output=True)
+    with building_in_the_checkout():
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                        "--wheel-dir", str(out), str(REPO)], check=True, timeout=180, capture_output=True)
     (wheel,) = out.glob("slotproxy-*.whl")
     return wheel
 
