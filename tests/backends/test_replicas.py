@@ -189,9 +189,12 @@ async def test_a_429_on_one_replica_pauses_all_and_reduces_once(
     a, b = await replicas(replica_config(tmp_path, upstream.url, key_prefix, limit=4, provider_extra=", retry_on_429: 0"),
                           count=2)
     url = "/openai/chat/completions"
-    results = await asyncio.gather(*(client.post(a.url + url, json=chat(), headers={"x-fake-status": "429"})
-                                     for _ in range(3)))
+    # One burst: each 429 is held upstream for a second, so all three are granted before the first comes back
+    # and lowers the limit (one granted after it would belong to a burst of its own), however busy the machine.
+    burst = {"x-fake-status": "429", "x-fake-stall-ms": "1000"}
+    results = await asyncio.gather(*(client.post(a.url + url, json=chat(), headers=burst) for _ in range(3)))
     assert [r.status for r in results] == [429] * 3
+    assert upstream.fake.stats()["max_concurrency"] == 3, "the three were upstream at once"
     for r in results:
         r.release()
     # Replica a reports the backoff to Redis in the background, after answering: b sees it a moment later.
