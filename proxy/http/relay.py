@@ -40,6 +40,7 @@ from ..providers.model_name import model_hint, request_model
 from ..providers.signals import (
     Backoff,
     classify_response,
+    ends_event_stream,
     readable_body,
     stream_scanner,
 )
@@ -164,6 +165,9 @@ async def relay(request: web.Request, state: ProxyState, provider: str, rest: st
     except ProxyError as exc:
         response = error_response(exc)
     except asyncio.CancelledError:
+        if account.outcome == "ok":  # it left once its answer was whole (Exchange._stream): served
+            state.metrics.count_request(provider, str(account.status))
+            raise
         state.metrics.count_request(provider, "499")
         account.outcome = "client_gone"
         account.status = account.status or 499  # a stream whose headers it had keeps their status
@@ -460,6 +464,7 @@ class Exchange:
         # Cancellation point: the client may leave at any await below; the handler
         # is cancelled and the caller's finally releases the slot.
         chunks = 0
+        before = last = b""
         try:
             async for chunk in upstream.content.iter_any():
                 chunks += 1
@@ -474,6 +479,13 @@ class Exchange:
                     await response.write(chunk)
                 except ConnectionError as exc:
                     raise _ClientGone from exc
+                before, last = last, chunk
+        except asyncio.CancelledError:
+            # The client left while upstream's body had not ended. If it had the stream's final event (the
+            # OpenAI SDK hangs up at [DONE], before the body's end), it was served: relay() counts its status.
+            if event_stream and not encoding and ends_event_stream(before + last):
+                self.account.outcome = "ok"
+            raise
         finally:
             self.chunks = chunks  # for the words if upstream broke off or went quiet
         await _to_client(response.write_eof())

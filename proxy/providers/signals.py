@@ -26,6 +26,7 @@ __all__ = [
     "DecodedStreamScanner",
     "StreamErrorScanner",
     "classify_response",
+    "ends_event_stream",
     "event_backoff",
     "is_refusal",
     "readable_body",
@@ -119,6 +120,26 @@ def stated_wait(headers: Mapping[str, str], body: bytes | None, now: float) -> f
     if found is None:
         found = _body_wait(_load_json(body))
     return found
+
+
+_FINAL_DATA = b"[DONE]"
+_FINAL_EVENTS = frozenset({b"message_stop", b"response.completed", b"response.incomplete", b"response.failed"})
+
+
+def ends_event_stream(tail: bytes) -> bool:
+    """Whether ``tail``, the last bytes of an event stream (uncompressed), ends with the stream's final event:
+    OpenAI's ``data: [DONE]``, Anthropic's ``message_stop``, the Responses API's ``response.completed`` (or
+    ``.incomplete``, ``.failed``). A client may hang up once it has that event, before the body's end: the
+    OpenAI SDK does, at ``[DONE]``."""
+    if not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+        return False  # the last event is unfinished
+    last = tail.replace(b"\r\n", b"\n").replace(b"\r", b"\n").rstrip(b"\n").rpartition(b"\n\n")[2]
+    for line in last.split(b"\n"):
+        field, _, value = line.partition(b":")
+        value = value.strip()
+        if (field == b"data" and value == _FINAL_DATA) or (field == b"event" and value in _FINAL_EVENTS):
+            return True
+    return False
 
 
 def is_refusal(body: bytes | None) -> bool:

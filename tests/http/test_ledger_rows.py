@@ -4,14 +4,16 @@ a body over ``server.max_body`` (with a Content-Length or chunked) and a client 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
-from ..conftest import Upstream, chat, wait_until
+from ..conftest import Upstream, chat, serve_app, wait_until
 from ..conftest import ledger_rows as rows
 from .test_bad_input import read_response
 
@@ -141,3 +143,56 @@ async def test_a_stream_left_after_its_200_headers_is_status_200_client_gone(sta
     (row,) = await rows(proxy)
     assert (row["status"], row["outcome"]) == (200, "client_gone")
     assert row["ttfb_ms"] is not None
+
+
+FINAL_EVENTS = {
+    "chat": ("/openai/chat/completions", b"data: [DONE]\n\n"),
+    "messages": ("/anthropic/v1/messages", b'event: message_stop\ndata: {"type": "message_stop"}\n\n'),
+    "responses": ("/openai/responses", b'event: response.completed\ndata: {"type": "response.completed"}\n\n'),
+    "mid-stream": ("/anthropic/v1/messages", b'event: content_block_delta\ndata: {"type": "content_block_delta"}\n\n'),
+}
+
+
+@pytest.mark.parametrize("api", list(FINAL_EVENTS))
+async def test_a_client_that_hangs_up_at_the_final_event_was_served(start_proxy, tmp_path, api: str) -> None:
+    """The OpenAI SDK closes its connection at ``data: [DONE]``, before the body's end: when upstream's end comes
+    later (a busy host), the proxy hears of the hang-up first. After the stream's final event that is a request
+    served (its 200, outcome ok, counted as a 200); after any other event, a client gone (counted as a 499)."""
+    path, last_event = FINAL_EVENTS[api]
+    body_end = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"type": "ping"}\n\n' + last_event)
+        await body_end.wait()  # the body's end, held until the client has hung up
+        with contextlib.suppress(ConnectionError):  # the proxy has let go of this stream by then
+            await response.write_eof()
+        return response
+
+    app = web.Application()
+    for route in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
+        app.router.add_post(route, stream)
+    runner, port = await serve_app(app)
+    try:
+        proxy = await start_proxy(f"state: {{path: null}}\nledger: {{path: '{tmp_path / 'l.sqlite'}'}}\nproviders:\n"
+                                  f"  openai: {{upstream: 'http://127.0.0.1:{port}/v1'}}\n"
+                                  f"  anthropic: {{upstream: 'http://127.0.0.1:{port}', auth: x-api-key}}\n")
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(f"{proxy.url}{path}", json={**chat(), "max_tokens": 8, "input": "hi"})
+            assert resp.status == 200
+            seen = b""
+            while not seen.endswith(last_event):
+                seen += await asyncio.wait_for(resp.content.readany(), 5)
+            resp.close()  # as the SDK does: the body's end is never read
+        await wait_until(lambda: proxy.status()["in_flight"] == 0, what="the slot released")
+        await wait_until(lambda: bool(proxy.state.ledger._pending), what="the row recorded")
+    finally:
+        body_end.set()
+        await runner.cleanup()
+    (row,) = await rows(proxy)
+    served = api != "mid-stream"
+    assert (row["status"], row["outcome"]) == (200, "ok" if served else "client_gone")
+    provider = "openai" if path.startswith("/openai") else "anthropic"
+    counted = f'slotproxy_requests_total{{provider="{provider}",status="{200 if served else 499}"}} 1.0'
+    assert counted in proxy.state.metrics.render().decode()

@@ -15,6 +15,7 @@ from proxy.providers.signals import (
     Backoff,
     StreamErrorScanner,
     classify_response,
+    ends_event_stream,
     is_refusal,
     stated_wait,
     stream_scanner,
@@ -612,3 +613,19 @@ def test_an_unknown_encoding_is_not_scanned() -> None:
     assert stream_scanner("compress") is None
     assert isinstance(stream_scanner(None), StreamErrorScanner)
     assert isinstance(stream_scanner("identity"), StreamErrorScanner)
+
+
+@pytest.mark.parametrize(("tail", "ends"), [
+    (b'data: {"choices": []}\n\ndata: [DONE]\n\n', True),
+    (b"data:[DONE]\r\n\r\n", True),
+    (b'event: message_stop\ndata: {"type": "message_stop"}\n\n', True),
+    (b"event: response.completed\r\ndata: {}\r\n\r\n", True),
+    (b"event: response.failed\ndata: {}\n\n", True),
+    (b"data: [DONE]\n", False),  # unfinished: no blank line yet
+    (b"data: [DONE]\n\nevent: ping\ndata: {}\n\n", False),  # something came after it
+    (b'event: content_block_delta\ndata: {"text": "[DONE]"}\n\n', False),
+    (b'data: {"type": "response.completed"}\n\n', False),  # a data field, not the event's name
+    (b"", False),
+])
+def test_the_final_event_of_each_api_ends_an_event_stream(tail: bytes, ends: bool) -> None:
+    assert ends_event_stream(tail) is ends
