@@ -66,6 +66,18 @@ async def test_scripts_a_flushed_redis_forgot_are_loaded_again(own_redis_client)
     assert answers == [4, b"x"]
 
 
+async def test_a_call_whose_script_the_redis_does_not_know_yet_keeps_its_turn(own_redis_client) -> None:
+    """The first call of a script is not sent again after the calls made after it (a replica's first RELEASE
+    ran after its next ENQUEUE, which then saw the slot still held)."""
+    batch = ScriptBatch(own_redis_client, {"GET": "return redis.call('GET', KEYS[1])",
+                                           "SET": "return redis.call('SET', KEYS[1], ARGV[1])"})
+    assert await batch.call("GET", keys=["k"], args=()) is None  # GET is known to this Redis now; SET is not
+    written = batch.call("SET", keys=["k"], args=("v",))
+    read = batch.call("GET", keys=["k"], args=())
+    assert await asyncio.gather(written, read) == [b"OK", b"v"]
+    await batch.close()
+
+
 async def test_a_killed_connection_is_opened_again_for_the_next_batch(redis_client) -> None:
     batch = ScriptBatch(redis_client, SCRIPTS)
     assert await batch.call("ECHO", keys=[], args=("before",)) == b"before"

@@ -138,8 +138,10 @@ class ScriptBatch:
     connection that fails is dropped by redis-py and opened again by the next batch; a first send on a
     connection a Redis restart broke is tried once more (the pool's ``retry``).
 
-    Scripts run by their SHA; a Redis that does not know one (it restarted, or was flushed) is sent the
-    script and the calls that missed it are sent again."""
+    Scripts run by their SHA. Each is loaded ahead of its first call on a connection, in the same round
+    trip, so that call keeps its turn (sent again after the batch, it would run after the calls made after
+    it: a replica's first RELEASE after its next ENQUEUE). A Redis that forgot one meanwhile (flushed) is
+    sent the script and the calls that missed it are sent again."""
 
     def __init__(self, redis: aioredis.Redis, scripts: Mapping[str, str]) -> None:
         self._redis = redis
@@ -149,6 +151,8 @@ class ScriptBatch:
         self._connection: AbstractConnection = pool.connection_class(**pool.connection_kwargs)
         self._texts = dict(scripts)
         self._shas = {name: hashlib.sha1(text.encode()).hexdigest() for name, text in scripts.items()}
+        self._loaded: set[str] = set()
+        """The scripts loaded on this connection's server since it was opened."""
         self._queued: list[tuple[str, list[str], tuple[Any, ...], asyncio.Future[Any]]] = []
         self._sender: asyncio.Task[None] | None = None
         self._closed = False
@@ -204,10 +208,22 @@ class ScriptBatch:
                 future.set_result(result)
 
     async def _pipeline(self, batch: list[tuple[str, list[str], tuple[Any, ...], asyncio.Future[Any]]]) -> list[Any]:
-        commands = [("EVALSHA", self._shas[name], len(keys), *keys, *args) for name, keys, args, _ in batch]
+        commands: list[tuple[Any, ...]] = [
+            ("EVALSHA", self._shas[name], len(keys), *keys, *args) for name, keys, args, _ in batch]
         connection = self._connection
-        return await connection.retry.call_with_retry(  # type: ignore[no-any-return]
+        if not connection.is_connected:
+            self._loaded.clear()  # it may reach a Redis that restarted
+        loads: list[str] = []
+        if len(self._loaded) < len(self._texts):
+            loads = [name for name in dict.fromkeys(name for name, *_ in batch) if name not in self._loaded]
+            commands[:0] = [("SCRIPT", "LOAD", self._texts[name]) for name in loads]
+        results: list[Any] = await connection.retry.call_with_retry(
             lambda: _round_trip(connection, commands), lambda _error: connection.disconnect())
+        if not loads:
+            return results
+        self._loaded.update(name for name, loaded in zip(loads, results, strict=False)
+                            if not isinstance(loaded, Exception))
+        return results[len(loads):]
 
     async def close(self) -> None:
         """End the batch in flight (its callers get an error) and close the connection; later calls fail
