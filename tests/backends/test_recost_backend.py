@@ -21,7 +21,7 @@ from proxy.errors import QueueTimeout
 from proxy.limiter import FakeClock, Priority, SlotLease, WindowSettings
 
 from .conftest import REDIS_URL, require_redis
-from .test_windows_backend import held, rows, setup
+from .test_windows_backend import held, on_memory_and_redis, rows, setup
 
 pytestmark = pytest.mark.asyncio
 
@@ -250,15 +250,7 @@ async def test_memory_and_redis_recost_the_same_waiters_and_grant_them_in_the_sa
     again, the held head holding its group until its own cost fits, then queue order (starred first); the
     waiter without a way to be costed again keeps its prior and its place, behind which nobody of its group
     passes."""
-    require_redis()
-    memory = MemoryBackend(FakeClock(time.time()))
-    redis_backend = RedisBackend(REDIS_URL, key_prefix=key_prefix, lease_ttl=2.0)
-    await redis_backend.start()
-    try:
-        expected = await _recost_sequence(memory)
-        got = await _recost_sequence(redis_backend)
-    finally:
-        await redis_backend.close()
+    expected, got = await on_memory_and_redis(_recost_sequence, key_prefix)
     assert expected[0] == ["starred:1000.0", "old:300.0"]
     assert got == expected
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import pytest
 
@@ -25,6 +26,8 @@ from proxy.limiter import (
 )
 
 from .conftest import REDIS_URL, require_redis
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.asyncio
 
@@ -267,18 +270,23 @@ async def rows_count(backend: Any) -> int:
     return int(backend.provider_status("p").queued)
 
 
-async def test_memory_and_redis_admit_the_same_requests_and_count_the_same(key_prefix: str) -> None:
-    """A pool of two keys under one 600-token window each: the conversation's key, then its sibling with room;
-    a held head holding back its own group (queue order) and not another group; a starred waiter put first."""
+async def on_memory_and_redis(sequence: Callable[[Any], Awaitable[T]], key_prefix: str) -> tuple[T, T]:
+    """What ``sequence`` gives on the memory backend (on fake time) and on Redis: a test holds the Lua to the
+    Python by comparing them."""
     require_redis()
     memory = MemoryBackend(FakeClock(time.time()))
     redis_backend = RedisBackend(REDIS_URL, key_prefix=key_prefix, lease_ttl=2.0)
     await redis_backend.start()
     try:
-        expected = await _admission_rows(memory)
-        got = await _admission_rows(redis_backend)
+        return await sequence(memory), await sequence(redis_backend)
     finally:
         await redis_backend.close()
+
+
+async def test_memory_and_redis_admit_the_same_requests_and_count_the_same(key_prefix: str) -> None:
+    """A pool of two keys under one 600-token window each: the conversation's key, then its sibling with room;
+    a held head holding back its own group (queue order) and not another group; a starred waiter put first."""
+    expected, got = await on_memory_and_redis(_admission_rows, key_prefix)
     assert expected[0] == ["big@a", "next@b", "sonnet@a", "starred@b"]
     assert got == expected
 

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 
 from proxy.config import load_config
 from proxy.http.runtime import ProxyState
@@ -32,6 +33,17 @@ def write_config(path: Path, upstream_url: str, telemetry: str = "") -> None:
     os.replace(temp, path)
 
 
+async def serve_watched(path: Path, upstream_url: str, telemetry: str
+                        ) -> tuple[ProxyState, web.AppRunner, int, ConfigWatcher]:
+    """A proxy on ``path``'s config (written here), which it reloads as the file changes."""
+    write_config(path, upstream_url, telemetry)
+    state = ProxyState(load_config(path), config_path=str(path))
+    runner, port = await start_server(state, "127.0.0.1", 0)
+    watcher = ConfigWatcher(state, str(path), interval=0.1)
+    watcher.start()
+    return state, runner, port, watcher
+
+
 def chat(stream: bool) -> dict[str, object]:
     return {"model": "fake", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -41,11 +53,7 @@ async def test_a_reload_moves_telemetry_to_its_new_endpoint_and_the_streams_unde
     up = await start_upstream(chunks=10, delay_ms=60)
     second, second_runner = await start_collector()
     path = tmp_path / "slotproxy.yaml"
-    write_config(path, up.url, telemetry_yaml(collector.url))
-    state = ProxyState(load_config(path), config_path=str(path))
-    runner, port = await start_server(state, "127.0.0.1", 0)
-    watcher = ConfigWatcher(state, str(path), interval=0.1)
-    watcher.start()
+    state, runner, port, watcher = await serve_watched(path, up.url, telemetry_yaml(collector.url))
     url = f"http://127.0.0.1:{port}/openai/chat/completions"
     try:
         first = state.telemetry
@@ -92,11 +100,7 @@ async def test_closing_the_proxy_does_not_wait_for_a_retired_telemetrys_requests
         collector: Collector, start_upstream, client: aiohttp.ClientSession, tmp_path: Path) -> None:
     up = await start_upstream(chunks=100, delay_ms=100)
     path = tmp_path / "slotproxy.yaml"
-    write_config(path, up.url, telemetry_yaml(collector.url))
-    state = ProxyState(load_config(path), config_path=str(path))
-    runner, port = await start_server(state, "127.0.0.1", 0)
-    watcher = ConfigWatcher(state, str(path), interval=0.1)
-    watcher.start()
+    state, runner, port, watcher = await serve_watched(path, up.url, telemetry_yaml(collector.url))
     response = await client.post(f"http://127.0.0.1:{port}/openai/chat/completions", json=chat(stream=True))
     await response.content.readany()
     write_config(path, up.url)
