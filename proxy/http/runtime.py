@@ -152,7 +152,6 @@ class ProxyState:
         """Traces and GenAI metrics, when an OTLP endpoint is configured (a reload may change it)."""
         self._retiring: dict[asyncio.Task[None], Telemetry] = {}
         """Telemetry a reload replaced, exporting the spans of the requests it traced until they end."""
-        self._started = False
         self.upstreams = Upstreams()
         self.idle_watch = IdleWatch()
         """The idle_timeout deadlines of the upstream exchanges in flight."""
@@ -249,8 +248,8 @@ class ProxyState:
         telemetry; the old one exports the spans of the requests it traced as they end, then closes."""
         current = self.telemetry
         wanted = telemetry_settings(config.telemetry, os.environ)
-        if wanted == (None if current is None else current.settings) or not self._started:
-            return
+        if wanted == (None if current is None else current.settings) or self._spend_task is None:
+            return  # unchanged, or not started yet (``start`` starts what ``__init__`` made)
         self.telemetry = start_telemetry(config.telemetry, os.environ, self.metrics.telemetry_dropped.inc)
         if self.telemetry is not None:
             self.telemetry.start(self._gauges)
@@ -335,7 +334,6 @@ class ProxyState:
         await self.ledger.start()
         if self.telemetry is not None:
             self.telemetry.start(self._gauges)
-        self._started = True
         await self.read_spend()
         self._spend_task = asyncio.get_running_loop().create_task(self._read_spend_every(_SPEND_READ_EVERY))
 
