@@ -12,8 +12,8 @@ the freeze has fallen to a quarter: the heap is then unfrozen, collected once (a
 over what is left, a quarter-sized stop) and frozen again. What one freeze can hold
 back is bounded by the heap it froze; in the soak benchmark it was under a hundred objects.
 
-At start-up (``settle_heap``) what is already allocated is frozen, and full passes are spaced further
-apart than CPython's default. One ``PauseHook`` per process times every collection for the keeper and for
+At start-up (``settle_heap``) what is already allocated is frozen, young passes wait for more new objects
+and full passes are spaced further apart than CPython's defaults. One ``PauseHook`` per process times every collection for the keeper and for
 the ``slotproxy_gc_pause_seconds`` metric.
 """
 
@@ -31,6 +31,13 @@ from ..limiter import Clock, Timer
 __all__ = ["Collector", "HeapKeeper", "PauseHook", "process_pauses", "settle_heap"]
 
 log = logging.getLogger("slotproxy")
+
+YOUNG_PASS_AFTER = 2000
+"""New objects (allocations less deallocations) between two young collections: CPython's 700 is less than
+what sixteen small requests in flight hold at once, so a busy relay ran a young pass every 29 requests that
+freed nothing (its requests' objects die by reference counting once they end) and moved the live ones on to
+older generations: 4–5 µs a request. At 2 000 the same load runs one every few thousand requests, each about
+0.5 ms (``bench/RESULTS.md``, "The ceiling: young collections")."""
 
 FULL_PASS_AFTER = 100
 """Younger collections between two full ones: ten times CPython's 10. A fleet opening a thousand streams at
@@ -58,11 +65,12 @@ class Collector(Protocol):
 
 def settle_heap() -> None:
     """At start-up: what is allocated so far lives as long as the process, so it is frozen out of every
-    later pass, and full passes are spaced ``FULL_PASS_AFTER`` younger ones apart."""
+    later pass; young passes wait for ``YOUNG_PASS_AFTER`` new objects, and full passes are spaced
+    ``FULL_PASS_AFTER`` younger ones apart."""
     gc.collect()
     gc.freeze()
-    young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, FULL_PASS_AFTER)
+    _, middle, _ = gc.get_threshold()
+    gc.set_threshold(YOUNG_PASS_AFTER, middle, FULL_PASS_AFTER)
 
 
 PauseListener = Callable[[int, float], None]

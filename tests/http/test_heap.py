@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from proxy.http.heap import FULL_PASS_AFTER, HeapKeeper, PauseHook, settle_heap
+from proxy.http.heap import FULL_PASS_AFTER, YOUNG_PASS_AFTER, HeapKeeper, PauseHook, settle_heap
 from proxy.limiter import FakeClock
 
 
@@ -161,12 +161,13 @@ def test_with_the_real_collector_a_frozen_cycle_is_freed_once_load_falls() -> No
         gc.unfreeze()
 
 
-def test_start_up_freezes_what_it_allocated_and_spaces_full_passes() -> None:
+def test_start_up_freezes_what_it_allocated_and_spaces_young_and_full_passes() -> None:
     before = gc.get_threshold()
     try:
         settle_heap()
         assert gc.get_freeze_count() > 0
-        assert gc.get_threshold() == (before[0], before[1], FULL_PASS_AFTER)
+        assert gc.get_threshold() == (YOUNG_PASS_AFTER, before[1], FULL_PASS_AFTER)
+        assert YOUNG_PASS_AFTER > before[0]
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
