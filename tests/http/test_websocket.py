@@ -609,6 +609,34 @@ async def test_a_continuation_is_charged_the_conversation_it_continues(start_ups
     assert up.fake.stats()["rate_limited"] == 0
 
 
+async def test_response_creates_held_on_the_prior_ratio_go_once_the_first_answer_teaches_the_real_one(
+        start_upstream, start_proxy, client) -> None:
+    """A cold start over WebSocket: six sessions each send a ``response.create`` of 100 000 bytes, estimated at
+    the prior 0.30 tokens a byte (30 000) against a 100 000 TPM window, so three go and three are held (the
+    refill would take 18 s more per waiter). The first answer reports 100 input tokens: the group's ratio
+    moves, the held frames are costed again at once and go together."""
+    up = await start_upstream(delay_ms=300, chunks=2)
+    proxy = await start_proxy(ws_yaml(up, limit=10, windows="{tokens_per_minute: 100000, learn: false}"))
+    frame = json.dumps({"type": "response.create", "model": "gpt-5", "input": "x" * 100_000,
+                        "x_fake": {"usage": {"input": 100, "output": 5}}})
+
+    async def session() -> str:
+        async with connect(client, proxy) as ws:
+            await ws.send_str(frame)
+            return str((await until_terminal(ws, timeout=20))[-1]["type"])
+
+    started = time.monotonic()
+    sessions = [asyncio.create_task(session()) for _ in range(6)]
+    await wait_until(lambda: [row["held"] for row in proxy.status()["windows"]] == [3],
+                     what="three frames held by the window")
+    assert await asyncio.gather(*sessions) == ["response.completed"] * 6
+    elapsed = time.monotonic() - started
+    assert elapsed < 5.0, f"the held frames went after the first answer, not after the refill: {elapsed:.2f} s"
+    row = tokens_window(proxy)
+    assert (row["reserved"], row["held"], row["hits"]) == (0, 0, 0)
+    assert row["ratio"] is not None and row["ratio"] < 0.01, "learned from the first answers"
+
+
 async def test_a_window_error_frame_empties_the_window_without_a_backoff(start_upstream, start_proxy,
                                                                           client) -> None:
     up = await start_upstream(tpm=10_000)
