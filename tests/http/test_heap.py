@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from proxy.http.heap import FULL_PASS_AFTER, YOUNG_PASS_AFTER, HeapKeeper, PauseHook, settle_heap
+from proxy.http.heap import (
+    FULL_PASS_AFTER,
+    YOUNG_PASS_AFTER,
+    HeapKeeper,
+    PauseHook,
+    settle_heap,
+)
 from proxy.limiter import FakeClock
 
 
