@@ -42,12 +42,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
+
+from .request_body import RequestBody, as_parsed, max_output
 
 __all__ = ["INPUT_WINDOW", "OUTPUT_WINDOW", "REQUESTS_WINDOW", "TOKENS_WINDOW", "Estimate", "Estimator", "RequestBody",
            "actual_for"]
@@ -74,7 +75,6 @@ LOOKBACK = 20
 MIN_CACHED_TOKENS = 1024
 PRIOR_IMAGE_TOKENS = 1600
 _MEDIA_MARK = b"base64"
-_MAX_KEYS = ("max_tokens", "max_output_tokens", "max_completion_tokens")
 _CACHE_MARK = b'"cache_control"'
 _ERRORS_OF_INPUT = "input"
 
@@ -228,11 +228,11 @@ class Estimator:
         counted = len(body)
         if _MEDIA_MARK in body:
             media = _Media()
-            _find_media(_as_parsed(request), media)
+            _find_media(as_parsed(request), media)
             images, counted = media.images, counted - media.payload
         image_tokens = stats.image_tokens() if images or dialect == "anthropic" else 0.0
         total_input = counted * ratio + images * image_tokens + carried
-        asked = request.max_output() if type(request) is RequestBody else _max_output(request)
+        asked = request.max_output() if type(request) is RequestBody else max_output(request)
         history = stats.outputs.p90
         if history is None:
             output = float(asked if asked is not None else PRIOR_OUTPUT)
@@ -240,7 +240,7 @@ class Estimator:
             output = history if asked is None else min(history, float(asked))
         read, note = 0.0, None
         if dialect == "anthropic" and INPUT_WINDOW in windows and continuation is None and _CACHE_MARK in body:
-            read, note = self._mirror(key, group, _as_parsed(request), counted, ratio, image_tokens, images > 0,
+            read, note = self._mirror(key, group, as_parsed(request), counted, ratio, image_tokens, images > 0,
                                       now)
         cost = {}
         for window in windows:
@@ -498,16 +498,6 @@ def _candidates(breakpoints: list[int]) -> list[int]:
     return sorted(seen, reverse=True)
 
 
-def _max_output(request: Mapping[str, Any]) -> int | None:
-    """The request's own output maximum (a WebSocket frame may nest it in its ``response``); the largest
-    when it names several."""
-    nested = request.get("response")
-    places = (request, nested) if isinstance(nested, dict) else (request,)
-    found = [value for place in places for name in _MAX_KEYS
-             if type(value := place.get(name)) is int and value > 0]
-    return max(found) if found else None
-
-
 def _check(dialect: str, windows: Collection[str]) -> None:
     if dialect not in _DIALECTS:
         raise ValueError(f"unknown provider dialect {dialect!r}: it is 'anthropic' or 'openai'")
@@ -517,70 +507,6 @@ def _check(dialect: str, windows: Collection[str]) -> None:
 
 
 _CHECKED_KEPT = 64
-
-_MAX_MARK = b'"max_'
-_BACKSLASH = ord("\\")
-_LAST_MAX = re.compile(
-    rb'"(?:max_tokens|max_output_tokens|max_completion_tokens)"\s*:\s*(-?\d{1,18})(?=[\s,}])[^}]*\}\s*\Z')
-"""A maximum followed by one ``}``, the body's last byte but whitespace: the object it is in is the body's."""
-
-
-class RequestBody(Mapping[str, Any]):
-    """A request's JSON body, parsed on first look ({} when it is not a JSON object). OpenAI's windows need
-    only its bytes and its output maximum, which ``max_output`` reads without a parse when the body names
-    one once, after its objects (as SDKs write it, after the messages)."""
-
-    __slots__ = ("_data", "body")
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self._data: dict[str, Any] | None = None
-
-    def parsed(self) -> dict[str, Any]:
-        data = self._data
-        if data is None:
-            data = self._data = _parsed(self.body)
-        return data
-
-    def __getitem__(self, name: str) -> Any:
-        return self.parsed()[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.parsed().get(name, default)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.parsed())
-
-    def __len__(self) -> int:
-        return len(self.parsed())
-
-    def max_output(self) -> int | None:
-        """``_max_output`` of the parsed body, read from its bytes when they settle it: the body names one
-        maximum, and the only ``}`` after it is the body's last byte, so the object it is in is the body's."""
-        if self._data is None:
-            body = self.body
-            at = body.find(_MAX_MARK)
-            if at < 0:
-                return None
-            if body.find(_MAX_MARK, at + 1) < 0 and (at == 0 or body[at - 1] != _BACKSLASH):
-                found = _LAST_MAX.match(body, at)
-                if found is not None:
-                    value = int(found.group(1))
-                    return value if value > 0 else None
-        return _max_output(self.parsed())
-
-
-def _as_parsed(request: Mapping[str, Any]) -> Mapping[str, Any]:
-    return request.parsed() if type(request) is RequestBody else request
-
-
-def _parsed(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
 
 def _errors(stats: _Group, name: str) -> _Errors:
     recent = stats.errors.get(name)
