@@ -199,14 +199,20 @@ class Windowing:
         self.estimator.learn(key=lease.key, group=group, estimate=estimate, input_tokens=inputs,
                              cached_read=cached, output_tokens=output, now=time.time(), cache_write=written)
         cost = lease.cost
-        if cost is not None:
-            dialect, rules = self.dialect, self.rules
-            actual = {window: actual_for(dialect, window, inputs, cached, written, output)
-                      for window in rules if window in cost}
-            if actual and any(rules[window] != "charge_beyond" or spent > cost[window]
-                              for window, spent in actual.items()):
-                backend.settle_windows(self.provider, lease, actual, rules)
-        self._moved(backend, group)
+        if cost is not None:  # settled only when it changes something: not a charge_beyond window within its charge
+            actual: dict[str, float] = {}
+            changes = False
+            for window, rule in self.rules.items():
+                charged = cost.get(window)
+                if charged is not None:
+                    actual[window] = spent = actual_for(self.dialect, window, inputs, cached, written, output)
+                    if rule != "charge_beyond" or spent > charged:
+                        changes = True
+            if changes:
+                backend.settle_windows(self.provider, lease, actual, self.rules)
+        drift = self.drift  # ``_moved``, written out
+        if drift.follows(group) and drift.moved(group, Basis(*self.estimator.basis(group))):
+            backend.recost_windows(self.provider, group)
 
     def status(self, row: dict[str, Any]) -> None:
         """Fill a status window row's ratio and estimate errors."""
@@ -226,7 +232,7 @@ class Costing:
                  key: str | None, continuation: tuple[int, int] | None) -> None:
         self.windowing, self.backend, self.group, self.body, self.request = windowing, backend, group, body, request
         self.key, self.continuation = key, continuation
-        estimated = self._estimated()
+        estimated = windowing.estimate(backend, group, body, request, key=key, continuation=continuation)
         self.estimates: list[tuple[Estimate, dict[str, float] | None]] = [estimated]
         self.cost: dict[str, float] | None = estimated[1]
         """What it takes from its windows now (None: no window is known yet)."""

@@ -127,11 +127,13 @@ class _Recent:
     """The last ``RECENT`` values, kept in order as well as in arrival order (one insertion per answer, not
     a sort): the ratio and output histories, whose p90 each estimate reads."""
 
-    __slots__ = ("ordered", "values")
+    __slots__ = ("ordered", "p90", "values")
 
     def __init__(self) -> None:
         self.values: deque[float] = deque()
         self.ordered: list[float] = []
+        self.p90: float | None = None
+        """The nearest-rank p90 of the values (None: none yet), kept as each comes: every estimate reads it."""
 
     def add(self, value: float) -> None:
         values, ordered = self.values, self.ordered
@@ -139,15 +141,11 @@ class _Recent:
         if len(values) > RECENT:
             del ordered[bisect_left(ordered, values.popleft())]
         insort(ordered, value)
+        self.p90 = ordered[(9 * len(ordered) + 9) // 10 - 1]  # ceil(0.9 n) - 1, in integers
 
     @property
     def p50(self) -> float | None:
         return _percentile(self.ordered, 0.5) if self.ordered else None
-
-    @property
-    def p90(self) -> float | None:
-        ordered = self.ordered
-        return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)] if ordered else None
 
 
 class _Errors:
@@ -157,9 +155,7 @@ class _Errors:
 
     def __init__(self) -> None:
         self.values: deque[float] = deque(maxlen=RECENT)
-
-    def add(self, value: float) -> None:
-        self.values.append(value)
+        """Appended to by ``Estimator.learn``."""
 
     @property
     def p50(self) -> float | None:
@@ -216,8 +212,14 @@ class Estimator:
             tokens = any(window != REQUESTS_WINDOW for window in windows)
             if type(windows) is tuple and len(self._checked) < _CHECKED_KEPT:
                 self._checked[checked] = tokens
-        stats = self._group(group)
-        ratio = stats.ratio()
+        groups = self._groups
+        stats = groups.get(group)
+        if stats is None:
+            stats = self._group(group)
+        else:
+            groups.move_to_end(group)
+        learned = stats.ratios.p90  # ``_Group.ratio``, written out: read on every request
+        ratio = (PRIOR_RATIO if learned is None else learned) * stats.raised
         carried = float(sum(continuation)) if continuation is not None else 0.0
         if not tokens:
             return Estimate({w: 1.0 for w in windows}, len(body), 0.0, len(body) * ratio + carried, 0.0,
@@ -260,7 +262,12 @@ class Estimator:
         output history, each window's estimate error, and the mirrored cache. ``cache_write`` None means
         unknown; an answer that read and wrote nothing leaves the request's breakpoints unremembered."""
         del key  # the ratio is the group's; the cache digests carry the key
-        stats = self._group(group)
+        groups = self._groups
+        stats = groups.get(group)
+        if stats is None:
+            stats = self._group(group)
+        else:
+            groups.move_to_end(group)
         if estimate.images:
             text = estimate.input_bytes * (stats.ratios.p90 or PRIOR_RATIO) + estimate.carried
             stats.images.add(max(0.0, input_tokens - text) / estimate.images)
@@ -271,13 +278,13 @@ class Estimator:
             stats.raised = 1.0 + (stats.raised - 1.0) * RAISE_KEPT
         errors = stats.errors
         if estimate.input > 0:
-            (errors.get(_ERRORS_OF_INPUT) or _errors(stats, _ERRORS_OF_INPUT)).add(
+            (errors.get(_ERRORS_OF_INPUT) or _errors(stats, _ERRORS_OF_INPUT)).values.append(
                 input_tokens / estimate.input - 1.0)
         for window, charged in estimate.cost.items():
             if window != REQUESTS_WINDOW and charged > 0:
                 actual = actual_for(estimate.dialect, window, input_tokens, cached_read, cache_write or 0,
                                     output_tokens)
-                (errors.get(window) or _errors(stats, window)).add(actual / charged - 1.0)
+                (errors.get(window) or _errors(stats, window)).values.append(actual / charged - 1.0)
         if estimate.cache is not None:
             self._learn_cache(estimate.cache, cached_read, cache_write, now)
 
