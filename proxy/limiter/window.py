@@ -346,8 +346,21 @@ class WindowBook:
         wait = 0.0
         for window in self._windows(key, group, now):
             amount = cost.get(window.name)
-            if amount and (waited := window.bucket.wait_for(amount, now)):
-                wait = max(wait, waited)
+            if amount:
+                bucket = window.bucket
+                if bucket._at <= now:  # ``Bucket.wait_for``'s usual case, written out: one call per request
+                    level = bucket._level
+                    if now > bucket._at:
+                        level += bucket.rate * (now - bucket._at)
+                        level = min(level, bucket.capacity)
+                    missing = (min(bucket.capacity, amount)) - level
+                    if missing <= bucket.rate * _SLACK_SECONDS:
+                        continue
+                    waited = missing / bucket.rate
+                else:
+                    waited = bucket.wait_for(amount, now)
+                if waited:
+                    wait = max(wait, waited)
         return wait
 
     def blocked_by(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> list[WindowId]:
@@ -366,7 +379,17 @@ class WindowBook:
         for window in self._windows(key, group, now):
             amount = cost.get(window.name)
             if amount:
-                window.bucket.take(amount, now)
+                bucket = window.bucket  # ``Bucket.take``, written out: one call per request
+                at = bucket._at
+                if now > at:
+                    level = bucket._level + bucket.rate * (now - at)
+                    bucket._level = min(bucket.capacity, level)
+                    bucket._at = now
+                bucket._level -= amount
+                recent = bucket._recent
+                recent.append((now, amount))
+                while recent and recent[0][0] < now - _RECENT_SECONDS:
+                    recent.popleft()
                 window.reserved += amount
 
     def ended(self, key: str | None, group: str, cost: Mapping[str, float]) -> None:
@@ -391,9 +414,10 @@ class WindowBook:
         """Reconcile a window with what the answer reported; True when room was given back."""
         if rule not in SETTLE_RULES:
             raise ValueError(f"unknown settle rule {rule!r}: use one of {', '.join(SETTLE_RULES)}")
-        windows = self._sets.get((key, group))
-        entry = next((w for w in windows or () if w.name == window), None)
-        if entry is None:
+        for entry in self._sets.get((key, group)) or ():
+            if entry.name == window:
+                break
+        else:
             return False
         beyond = actual - charged
         if beyond > 0:
@@ -427,7 +451,13 @@ class WindowBook:
                 recent = bucket._recent
                 if recent and recent[-1][0] > answered_at:  # sent since it answered
                     announced -= bucket.taken_since(answered_at)
-                bucket.correct(announced, now, slack)
+                at = bucket._at  # ``Bucket.correct``, written out: one call per answer
+                if now > at:
+                    level = bucket._level + bucket.rate * (now - at)
+                    bucket._level = min(bucket.capacity, level)
+                    bucket._at = now
+                if bucket._level > announced + slack:
+                    bucket._level = announced - slack
 
     # ----- observing -------------------------------------------------------------
 
