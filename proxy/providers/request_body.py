@@ -28,9 +28,9 @@ def max_output(request: Mapping[str, Any]) -> int | None:
 
 _MAX_MARK = b'"max_'
 _BACKSLASH = ord("\\")
-_MAX_VALUE = re.compile(rb'"(?:max_tokens|max_output_tokens|max_completion_tokens)"\s*:\s*(-?\d{1,18})(?=[\s,}])')
-"""A maximum and its value. The value counts when the first ``}`` after it is the body's last byte but
-whitespace: the object it is in is then the body's."""
+_LAST_MAX = re.compile(
+    rb'"(?:max_tokens|max_output_tokens|max_completion_tokens)"\s*:\s*(-?\d{1,18})(?=[\s,}])[^}]*\}\s*\Z')
+"""A maximum followed by one ``}``, the body's last byte but whitespace: the object it is in is the body's."""
 
 
 class RequestBody(Mapping[str, Any]):
@@ -71,12 +71,10 @@ class RequestBody(Mapping[str, Any]):
             if at < 0:
                 return None
             if body.find(_MAX_MARK, at + 1) < 0 and (at == 0 or body[at - 1] != _BACKSLASH):
-                found = _MAX_VALUE.match(body, at)
+                found = _LAST_MAX.match(body, at)
                 if found is not None:
-                    close = body.find(b"}", found.end())
-                    if close >= 0 and (close + 1 == len(body) or body[close + 1:].isspace()):
-                        value = int(found.group(1))
-                        return value if value > 0 else None
+                    value = int(found.group(1))
+                    return value if value > 0 else None
         return max_output(self.parsed())
 
 
