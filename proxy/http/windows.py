@@ -142,7 +142,11 @@ class Windowing:
         room = None
         for window, name in self.remaining_headers:
             value = get(name)
-            if value is not None and (left := header_count(value)) is not None:
+            if value is None:
+                continue
+            # ``header_count``; a plain count (as providers send it) read without the call
+            left = int(value) if value.isdigit() and value.isascii() and len(value) <= 15 else header_count(value)
+            if left is not None:
                 if room is None:
                     room = {window: left}
                 else:
