@@ -223,6 +223,10 @@ class WindowBook:
     def __init__(self, settings: WindowSettings) -> None:
         self._settings = settings
         self._sets: OrderedDict[tuple[str | None, str], list[_Window]] = OrderedDict()
+        self._last: tuple[str | None, str, list[_Window]] | None = None
+        """The (key, group) last looked up with ``_windows``, and its windows: the most recently used pair, so
+        already last in ``_sets`` (a request's take, end, settling and its answer's correction find it without a
+        lookup). Forgotten whenever ``_sets`` changes otherwise."""
         self._learned: dict[WindowId, int] = {}
         self._hits: dict[WindowId, int] = {}
 
@@ -302,6 +306,7 @@ class WindowBook:
             changed = True
         kept.sort(key=lambda window: WINDOW_NAMES.index(window.name))
         self._sets[(key, group)] = kept
+        self._last = None
         return changed
 
     def _new_window(self, key: str | None, group: str, name: str, limit: int, now: float) -> _Window:
@@ -312,22 +317,35 @@ class WindowBook:
     def _windows(self, key: str | None, group: str, now: float) -> list[_Window]:
         """The windows of (key, group), made on first use; the least recently used idle pair is forgotten
         beyond ``MAX_GROUPS``."""
+        last = self._last
+        if last is not None and last[1] == group and last[0] == key:
+            return last[2]
         sets = self._sets
         windows = sets.get((key, group))
         if windows is not None:
             sets.move_to_end((key, group))
+            self._last = (key, group, windows)
             return windows
         windows = [self._new_window(key, group, name, limit, now)
                    for name, limit in self.limits_for(key, group).items()]
         sets[(key, group)] = windows
         if len(sets) > MAX_GROUPS:
             self._forget_idle(now)
+        self._last = (key, group, windows) if (key, group) in sets else None
         return windows
+
+    def _known(self, key: str | None, group: str) -> list[_Window] | None:
+        """The windows of (key, group) if it has any, leaving the order of use alone."""
+        last = self._last
+        if last is not None and last[1] == group and last[0] == key:
+            return last[2]
+        return self._sets.get((key, group))
 
     def _forget_idle(self, now: float) -> None:
         for pair, windows in self._sets.items():
             if all(w.reserved <= 0 and w.bucket.level(now) >= w.bucket.capacity for w in windows):
                 del self._sets[pair]
+                self._last = None
                 for name in WINDOW_NAMES:
                     self._learned.pop((*pair, name), None)
                     self._hits.pop((*pair, name), None)
@@ -348,6 +366,8 @@ class WindowBook:
             amount = cost.get(window.name)
             if amount:
                 bucket = window.bucket
+                if bucket._level >= amount and bucket._at <= now:  # room without the refill
+                    continue
                 if bucket._at <= now:  # ``Bucket.wait_for``'s usual case, written out: one call per request
                     level = bucket._level
                     if now > bucket._at:
@@ -394,8 +414,7 @@ class WindowBook:
 
     def ended(self, key: str | None, group: str, cost: Mapping[str, float]) -> None:
         """A request ended: its cost is no longer reserved (nothing is given back: a window is spent by sending)."""
-        windows = self._sets.get((key, group))
-        for window in windows or ():
+        for window in self._known(key, group) or ():
             amount = cost.get(window.name)
             if amount:
                 window.reserved = max(0.0, window.reserved - amount)
@@ -414,7 +433,7 @@ class WindowBook:
         """Reconcile a window with what the answer reported; True when room was given back."""
         if rule not in SETTLE_RULES:
             raise ValueError(f"unknown settle rule {rule!r}: use one of {', '.join(SETTLE_RULES)}")
-        for entry in self._sets.get((key, group)) or ():
+        for entry in self._known(key, group) or ():
             if entry.name == window:
                 break
         else:
