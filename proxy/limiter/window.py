@@ -403,7 +403,7 @@ class WindowBook:
                 at = bucket._at
                 if now > at:
                     level = bucket._level + bucket.rate * (now - at)
-                    bucket._level = min(bucket.capacity, level)
+                    bucket._level = level if level < bucket.capacity else bucket.capacity  # noqa: FURB136 - no call
                     bucket._at = now
                 bucket._level -= amount
                 recent = bucket._recent
@@ -417,7 +417,8 @@ class WindowBook:
         for window in self._known(key, group) or ():
             amount = cost.get(window.name)
             if amount:
-                window.reserved = max(0.0, window.reserved - amount)
+                left = window.reserved - amount
+                window.reserved = left if left > 0.0 else 0.0  # noqa: FURB136 - max(0.0, left), without the call
 
     def count_held(self, ids: Iterable[WindowId]) -> None:
         """A request began waiting on these windows."""
@@ -466,14 +467,16 @@ class WindowBook:
             announced = remaining.get(entry.name)
             if announced is not None:
                 bucket = entry.bucket
-                slack = min(ROUNDED_REMAINING.get(entry.name, 0.0), max(announced, 0.0))
+                rounded = ROUNDED_REMAINING.get(entry.name, 0.0)  # min(rounded, max(announced, 0.0)), without calls
+                floor = 0.0 if 0.0 > announced else announced  # noqa: FURB136
+                slack = floor if floor < rounded else rounded  # noqa: FURB136
                 recent = bucket._recent
                 if recent and recent[-1][0] > answered_at:  # sent since it answered
                     announced -= bucket.taken_since(answered_at)
                 at = bucket._at  # ``Bucket.correct``, written out: one call per answer
                 if now > at:
                     level = bucket._level + bucket.rate * (now - at)
-                    bucket._level = min(bucket.capacity, level)
+                    bucket._level = level if level < bucket.capacity else bucket.capacity  # noqa: FURB136 - no call
                     bucket._at = now
                 if bucket._level > announced + slack:
                     bucket._level = announced - slack

@@ -193,6 +193,9 @@ class Estimator:
 
     def __init__(self, *, groups_kept: int = 1024, prefixes_kept: int = 50_000) -> None:
         self._groups: OrderedDict[str, _Group] = OrderedDict()
+        self._last: tuple[str, _Group] | None = None
+        """The group last used and its stats: already the most recently used (a request's estimate and the
+        learning from its answer find it without a lookup)."""
         self._prefixes: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         """A prefix's digest (its key, group and model are hashed in) -> (expires at, lifetime)."""
         self._groups_kept = groups_kept
@@ -212,12 +215,8 @@ class Estimator:
             tokens = any(window != REQUESTS_WINDOW for window in windows)
             if type(windows) is tuple and len(self._checked) < _CHECKED_KEPT:
                 self._checked[checked] = tokens
-        groups = self._groups
-        stats = groups.get(group)
-        if stats is None:
-            stats = self._group(group)
-        else:
-            groups.move_to_end(group)
+        last = self._last
+        stats = last[1] if last is not None and last[0] == group else self._group(group)
         learned = stats.ratios.p90  # ``_Group.ratio``, written out: read on every request
         ratio = (PRIOR_RATIO if learned is None else learned) * stats.raised
         carried = float(sum(continuation)) if continuation is not None else 0.0
@@ -262,12 +261,8 @@ class Estimator:
         output history, each window's estimate error, and the mirrored cache. ``cache_write`` None means
         unknown; an answer that read and wrote nothing leaves the request's breakpoints unremembered."""
         del key  # the ratio is the group's; the cache digests carry the key
-        groups = self._groups
-        stats = groups.get(group)
-        if stats is None:
-            stats = self._group(group)
-        else:
-            groups.move_to_end(group)
+        last = self._last
+        stats = last[1] if last is not None and last[0] == group else self._group(group)
         if estimate.images:
             text = estimate.input_bytes * (stats.ratios.p90 or PRIOR_RATIO) + estimate.carried
             stats.images.add(max(0.0, input_tokens - text) / estimate.images)
@@ -320,6 +315,7 @@ class Estimator:
                 self._groups.popitem(last=False)
         else:
             self._groups.move_to_end(group)
+        self._last = (group, stats) if group in self._groups else None
         return stats
 
     def _mirror(self, key: str | None, group: str, request: Mapping[str, Any], counted: int, ratio: float,
