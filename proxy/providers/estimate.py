@@ -238,7 +238,9 @@ class Estimator:
         if history is None:
             output = float(asked if asked is not None else PRIOR_OUTPUT)
         else:
-            output = history if asked is None else min(history, float(asked))
+            output = history  # min(history, float(asked)), without the call
+            if asked is not None and float(asked) < history:
+                output = float(asked)
         read, note = 0.0, None
         if dialect == "anthropic" and INPUT_WINDOW in windows and continuation is None and _CACHE_MARK in body:
             read, note = self._mirror(key, group, as_parsed(request), counted, ratio, image_tokens, images > 0,
@@ -250,7 +252,11 @@ class Estimator:
             elif window == OUTPUT_WINDOW:
                 cost[window] = output
             elif window == TOKENS_WINDOW:
-                cost[window] = max(float(asked), total_input) if asked is not None else total_input + output
+                if asked is None:
+                    cost[window] = total_input + output
+                else:  # max(float(asked), total_input), without the call
+                    most = float(asked)
+                    cost[window] = total_input if total_input > most else most  # noqa: FURB136
             else:
                 cost[window] = 1.0
         return Estimate(cost, counted, read, total_input, output, dialect, carried, images, note)
@@ -267,7 +273,8 @@ class Estimator:
             text = estimate.input_bytes * (stats.ratios.p90 or PRIOR_RATIO) + estimate.carried
             stats.images.add(max(0.0, input_tokens - text) / estimate.images)
         elif estimate.input_bytes > 0 and not estimate.carried and input_tokens > 0:
-            stats.ratios.add(min(MAX_RATIO, input_tokens / estimate.input_bytes))
+            ratio = input_tokens / estimate.input_bytes
+            stats.ratios.add(ratio if ratio < MAX_RATIO else MAX_RATIO)  # noqa: FURB136 - min, without the call
         stats.outputs.add(float(output_tokens))
         if stats.raised != 1.0:
             stats.raised = 1.0 + (stats.raised - 1.0) * RAISE_KEPT
