@@ -226,7 +226,7 @@ class WindowBook:
         self._last: tuple[str | None, str, list[_Window]] | None = None
         """The (key, group) last looked up with ``_windows``, and its windows: the most recently used pair, so
         already last in ``_sets`` (a request's take, end, settling and its answer's correction find it without a
-        lookup). Forgotten whenever ``_sets`` changes otherwise."""
+        lookup: each reads it where ``_windows`` would be called). Forgotten whenever ``_sets`` changes otherwise."""
         self._learned: dict[WindowId, int] = {}
         self._hits: dict[WindowId, int] = {}
 
@@ -334,13 +334,6 @@ class WindowBook:
         self._last = (key, group, windows) if (key, group) in sets else None
         return windows
 
-    def _known(self, key: str | None, group: str) -> list[_Window] | None:
-        """The windows of (key, group) if it has any, leaving the order of use alone."""
-        last = self._last
-        if last is not None and last[1] == group and last[0] == key:
-            return last[2]
-        return self._sets.get((key, group))
-
     def _forget_idle(self, now: float) -> None:
         for pair, windows in self._sets.items():
             if all(w.reserved <= 0 and w.bucket.level(now) >= w.bucket.capacity for w in windows):
@@ -362,7 +355,9 @@ class WindowBook:
     def wait_for(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> float:
         """Seconds until every window of (key, group) has room for ``cost`` (0.0: now)."""
         wait = 0.0
-        for window in self._windows(key, group, now):
+        last = self._last  # ``_windows``, its usual answer without the call
+        found = last[2] if last is not None and last[1] == group and last[0] == key else None
+        for window in found if found is not None else self._windows(key, group, now):
             amount = cost.get(window.name)
             if amount:
                 bucket = window.bucket
@@ -396,7 +391,9 @@ class WindowBook:
 
     def take(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> None:
         """A request is sent: its cost is spent, and reserved until it ends."""
-        for window in self._windows(key, group, now):
+        last = self._last  # ``_windows``, its usual answer without the call
+        found = last[2] if last is not None and last[1] == group and last[0] == key else None
+        for window in found if found is not None else self._windows(key, group, now):
             amount = cost.get(window.name)
             if amount:
                 bucket = window.bucket  # ``Bucket.take``, written out: one call per request
@@ -414,7 +411,9 @@ class WindowBook:
 
     def ended(self, key: str | None, group: str, cost: Mapping[str, float]) -> None:
         """A request ended: its cost is no longer reserved (nothing is given back: a window is spent by sending)."""
-        for window in self._known(key, group) or ():
+        last = self._last  # the pair last used, else a lookup that leaves the order of use alone
+        found = last[2] if last is not None and last[1] == group and last[0] == key else None
+        for window in found if found is not None else self._sets.get((key, group)) or ():
             amount = cost.get(window.name)
             if amount:
                 left = window.reserved - amount
@@ -434,7 +433,9 @@ class WindowBook:
         """Reconcile a window with what the answer reported; True when room was given back."""
         if rule not in SETTLE_RULES:
             raise ValueError(f"unknown settle rule {rule!r}: use one of {', '.join(SETTLE_RULES)}")
-        for entry in self._known(key, group) or ():
+        last = self._last  # the pair last used, else a lookup that leaves the order of use alone
+        found = last[2] if last is not None and last[1] == group and last[0] == key else None
+        for entry in found if found is not None else self._sets.get((key, group)) or ():
             if entry.name == window:
                 break
         else:
@@ -463,7 +464,9 @@ class WindowBook:
         announced 0 stands for 0 and up)."""
         if not remaining:
             return
-        for entry in self._windows(key, group, now):
+        last = self._last  # ``_windows``, its usual answer without the call
+        found = last[2] if last is not None and last[1] == group and last[0] == key else None
+        for entry in found if found is not None else self._windows(key, group, now):
             announced = remaining.get(entry.name)
             if announced is not None:
                 bucket = entry.bucket
