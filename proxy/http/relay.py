@@ -254,9 +254,13 @@ class Exchange:
                                                                  client_wait=client_wait, model=self.model)
                     else:  # costed again while it waits if its group's estimates move (``providers.recost``)
                         costing = windowing.costing(self.state.backend, self.group, self.body, self.parsed)
-                        lease = await self.state.backend.acquire(
-                            self.provider, self.priority, seq=seq, client_wait=client_wait, model=self.model,
-                            cost=costing.cost, group=self.group, recost=costing)
+                        try:
+                            lease = await self.state.backend.acquire(
+                                self.provider, self.priority, seq=seq, client_wait=client_wait, model=self.model,
+                                cost=costing.cost, group=self.group, recost=costing)
+                        except BaseException:
+                            costing.left()
+                            raise
                         self.estimate = costing.taken(lease)
                     self.state.observe_grant(self.provider, lease)
                     if self.account.trace is not None:
@@ -296,7 +300,7 @@ class Exchange:
         """Reconcile the windows this attempt took from with the usage its answer reported."""
         usage, estimate, windowing = self.account.usage, self.estimate, self.windowing
         if usage is not None and estimate is not None and windowing is not None and not isinstance(lease, _NoSlot):
-            windowing.settle(self.state.backend, lease, self.group, estimate, usage.counts())
+            windowing.settle(self.state.backend, lease, self.group, estimate, usage.totals())
 
     async def _attempt(self, lease: SlotLease | _NoSlot, *, retry_allowed: bool) -> web.StreamResponse:
         # idle_timeout: the wait for upstream's final headers (aiohttp would restart a read timeout on every

@@ -321,11 +321,15 @@ class SocketRelay:
             costing = windowing.costing(self.state.backend, group, frame, request, key=self.key,
                                         continuation=self.ended.continued(request))
         if self.state.shutting_down or self.closing_after_responses:
+            if costing is not None:
+                costing.left()
             await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0),
                                account)
             return False
         refusal = self.state.spend_refusal(priority.workspace, self.settings)
         if refusal is not None:
+            if costing is not None:
+                costing.left()
             await self._refuse(client, refusal, account)
             return False
         self.state.request_started()
@@ -335,6 +339,8 @@ class SocketRelay:
                                                      cost=None if costing is None else costing.cost,
                                                      group=group or None, recost=costing)
         except (QueueFull, QueueTimeout, ShuttingDown, SpendLimitReached) as exc:
+            if costing is not None:
+                costing.left()
             self.state.request_finished()
             account.queue_ms = round((time.monotonic() - asked_at) * 1000)
             if self.trace is not None:
@@ -342,8 +348,11 @@ class SocketRelay:
             await self._refuse(client, exc, account)
             return False
         except BaseException:
+            if costing is not None:
+                costing.left()
             self.state.request_finished()
             raise
+        estimate = None if costing is None else costing.taken(lease)
         self.state.observe_grant(self.provider, lease)
         account.queue_ms, account.key = round(lease.queue_wait * 1000), lease.key
         refusal = self.state.spend_refusal(priority.workspace, self.settings)
@@ -356,7 +365,7 @@ class SocketRelay:
             account.trace = trace = self.trace.response()
             trace.waited(lease.queue_wait, priority, lease)
             trace.sending(account.model, lease.key)
-        self._start(_Response(lease, account, None if costing is None else costing.taken(lease), group))
+        self._start(_Response(lease, account, estimate, group))
         return True
 
     def _frame_priority(self, frame: bytes) -> Priority:
@@ -520,7 +529,7 @@ class SocketRelay:
         if response.estimate is not None and self.windowing is not None:
             usage = response.account.usage
             self.windowing.settle(self.state.backend, lease, response.group, response.estimate,
-                                  None if usage is None else usage.counts())
+                                  None if usage is None else usage.totals())
         lease.release()
         self.state.request_finished()
         self.state.metrics.count_request(self.provider, str(status))

@@ -21,7 +21,7 @@ from ..providers.budgets import header_count
 from ..providers.estimate import Estimate, Estimator, RequestBody, actual_for
 from ..providers.model_name import request_model
 from ..providers.recost import Basis, Drift
-from ..providers.tokens import TokenCounts, UsageReader
+from ..providers.tokens import UsageReader
 from ..providers.window_signals import (
     HEADER_NAMES,
     REMAINING_HEADERS,
@@ -108,8 +108,10 @@ class Windowing:
 
     def _moved(self, backend: Backend, group: str) -> None:
         """The estimator learned: if the group's estimates moved (``providers.recost``, the rule), its waiters
-        queued here are costed again (each ``Costing``, by the backend) and admission looks again."""
-        if self.drift.moved(group, Basis(*self.estimator.basis(group))):
+        queued here are costed again (each ``Costing``, by the backend) and admission looks again. Not checked
+        while no request of the provider is asking for its slot here (none could be costed again)."""
+        drift = self.drift
+        if drift.follows(group) and drift.moved(group, Basis(*self.estimator.basis(group))):
             backend.recost_windows(self.provider, group)
 
     def _applying(self, backend: Backend, key: str | None, group: str) -> tuple[str, ...]:
@@ -140,7 +142,11 @@ class Windowing:
         room = None
         for window, name in self.remaining_headers:
             value = get(name)
-            if value is not None and (left := header_count(value)) is not None:
+            if value is None:
+                continue
+            # ``header_count``; a plain count (as providers send it) read without the call
+            left = int(value) if value.isdigit() and value.isascii() and len(value) <= 15 else header_count(value)
+            if left is not None:
                 if room is None:
                     room = {window: left}
                 else:
@@ -188,24 +194,29 @@ class Windowing:
         return limit is not None and cost.get(window, 0.0) > limit * (1.0 - self.headroom)
 
     def settle(self, backend: Backend, lease: SlotLease, group: str, estimate: Estimate,
-               counts: TokenCounts | None) -> None:
-        """The answer ended: the estimator learns from its usage and the windows are reconciled; an answer
-        without usage keeps its estimate."""
+               counts: tuple[int, ...] | None) -> None:
+        """The answer ended: the estimator learns from its usage (``UsageReader.totals``, or its
+        ``TokenCounts``) and the windows are reconciled; an answer without usage keeps its estimate."""
         if counts is None:
             return
-        inputs, cached, written, output = (counts.input_tokens, counts.cached_input_tokens,
-                                           counts.cache_write_tokens, counts.output_tokens)
+        inputs, cached, written, output = counts[0], counts[1], counts[2], counts[3]
         self.estimator.learn(key=lease.key, group=group, estimate=estimate, input_tokens=inputs,
                              cached_read=cached, output_tokens=output, now=time.time(), cache_write=written)
         cost = lease.cost
-        if cost is not None:
-            dialect, rules = self.dialect, self.rules
-            actual = {window: actual_for(dialect, window, inputs, cached, written, output)
-                      for window in rules if window in cost}
-            if actual and any(rules[window] != "charge_beyond" or spent > cost[window]
-                              for window, spent in actual.items()):
-                backend.settle_windows(self.provider, lease, actual, rules)
-        self._moved(backend, group)
+        if cost is not None:  # settled only when it changes something: not a charge_beyond window within its charge
+            actual: dict[str, float] = {}
+            changes = False
+            for window, rule in self.rules.items():
+                charged = cost.get(window)
+                if charged is not None:
+                    actual[window] = spent = actual_for(self.dialect, window, inputs, cached, written, output)
+                    if rule != "charge_beyond" or spent > charged:
+                        changes = True
+            if changes:
+                backend.settle_windows(self.provider, lease, actual, self.rules)
+        drift = self.drift  # ``_moved``, written out
+        if drift.follows(group) and drift.moved(group, Basis(*self.estimator.basis(group))):
+            backend.recost_windows(self.provider, group)
 
     def status(self, row: dict[str, Any]) -> None:
         """Fill a status window row's ratio and estimate errors."""
@@ -216,20 +227,28 @@ class Costing:
     """One request's window cost while it waits for its slot: estimated when it asks, and again when the
     backend calls it (its model group's estimates moved: ``Backend.recost_windows``). Settled afterwards
     against the estimate its grant took (``taken``): an earlier one when the grant was made before a re-costing
-    reached it."""
+    reached it. Counted as asking (``Drift.asking``) from its estimate until ``taken`` or ``left``."""
 
-    __slots__ = ("backend", "body", "continuation", "estimates", "group", "key", "request", "windowing")
+    __slots__ = ("asking", "backend", "body", "continuation", "cost", "estimates", "group", "key", "request",
+                 "windowing")
 
     def __init__(self, windowing: Windowing, backend: Backend, group: str, body: bytes, request: Mapping[str, Any],
                  key: str | None, continuation: tuple[int, int] | None) -> None:
         self.windowing, self.backend, self.group, self.body, self.request = windowing, backend, group, body, request
         self.key, self.continuation = key, continuation
-        self.estimates: list[tuple[Estimate, dict[str, float] | None]] = [self._estimated()]
-
-    @property
-    def cost(self) -> dict[str, float] | None:
+        estimated = windowing.estimate(backend, group, body, request, key=key, continuation=continuation)
+        self.estimates: list[tuple[Estimate, dict[str, float] | None]] = [estimated]
+        self.cost: dict[str, float] | None = estimated[1]
         """What it takes from its windows now (None: no window is known yet)."""
-        return self.estimates[-1][1]
+        self.asking = True
+        windowing.drift.asking += 1
+
+    def left(self) -> None:
+        """It no longer asks for a slot (granted, refused, gone): its group's answers need not be followed for
+        it any more (``providers.recost``). Once; later calls do nothing."""
+        if self.asking:
+            self.asking = False
+            self.windowing.drift.asking -= 1
 
     def _estimated(self) -> tuple[Estimate, dict[str, float] | None]:
         return self.windowing.estimate(self.backend, self.group, self.body, self.request, key=self.key,
@@ -243,10 +262,15 @@ class Costing:
         self.estimates.append(estimated)
         if len(self.estimates) > _ESTIMATES_KEPT:  # only the latest few can still be granted
             del self.estimates[1]
-        return estimated[1]
+        self.cost = cost = estimated[1]
+        return cost
 
     def taken(self, lease: SlotLease) -> Estimate:
-        """The estimate whose cost ``lease`` took: the latest with that cost (the latest without one taken)."""
+        """The estimate whose cost ``lease`` took: the latest with that cost (the latest without one taken).
+        It asks no more (``left``)."""
+        if self.asking:
+            self.asking = False
+            self.windowing.drift.asking -= 1
         taken = lease.cost
         if taken is not None:
             for estimate, cost in reversed(self.estimates):
@@ -296,11 +320,11 @@ class EndedResponses:
 
     def remember(self, data: bytes, usage: UsageReader) -> None:
         found = _RESPONSE_ID.search(data, 0, 1024)
-        counts = usage.counts()
-        if found is None or counts is None:
+        totals = usage.totals()
+        if found is None or totals is None:
             return
         ended = self._ended
-        ended[found.group(1).decode()] = (counts.input_tokens, counts.output_tokens)
+        ended[found.group(1).decode()] = (totals[0], totals[3])
         if len(ended) > _RESPONSES_KEPT:
             del ended[next(iter(ended))]
 

@@ -223,6 +223,10 @@ class WindowBook:
     def __init__(self, settings: WindowSettings) -> None:
         self._settings = settings
         self._sets: OrderedDict[tuple[str | None, str], list[_Window]] = OrderedDict()
+        self._last: tuple[str | None, str, list[_Window]] | None = None
+        """The (key, group) last looked up with ``_windows``, and its windows: the most recently used pair, so
+        already last in ``_sets`` (a request's take, end, settling and its answer's correction find it without a
+        lookup: each reads it where ``_windows`` would be called). Forgotten whenever ``_sets`` changes otherwise."""
         self._learned: dict[WindowId, int] = {}
         self._hits: dict[WindowId, int] = {}
 
@@ -302,6 +306,7 @@ class WindowBook:
             changed = True
         kept.sort(key=lambda window: WINDOW_NAMES.index(window.name))
         self._sets[(key, group)] = kept
+        self._last = None
         return changed
 
     def _new_window(self, key: str | None, group: str, name: str, limit: int, now: float) -> _Window:
@@ -312,22 +317,28 @@ class WindowBook:
     def _windows(self, key: str | None, group: str, now: float) -> list[_Window]:
         """The windows of (key, group), made on first use; the least recently used idle pair is forgotten
         beyond ``MAX_GROUPS``."""
+        last = self._last
+        if last is not None and last[1] == group and last[0] == key:
+            return last[2]
         sets = self._sets
         windows = sets.get((key, group))
         if windows is not None:
             sets.move_to_end((key, group))
+            self._last = (key, group, windows)
             return windows
         windows = [self._new_window(key, group, name, limit, now)
                    for name, limit in self.limits_for(key, group).items()]
         sets[(key, group)] = windows
         if len(sets) > MAX_GROUPS:
             self._forget_idle(now)
+        self._last = (key, group, windows) if (key, group) in sets else None
         return windows
 
     def _forget_idle(self, now: float) -> None:
         for pair, windows in self._sets.items():
             if all(w.reserved <= 0 and w.bucket.level(now) >= w.bucket.capacity for w in windows):
                 del self._sets[pair]
+                self._last = None
                 for name in WINDOW_NAMES:
                     self._learned.pop((*pair, name), None)
                     self._hits.pop((*pair, name), None)
@@ -344,10 +355,27 @@ class WindowBook:
     def wait_for(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> float:
         """Seconds until every window of (key, group) has room for ``cost`` (0.0: now)."""
         wait = 0.0
-        for window in self._windows(key, group, now):
+        last = self._last  # ``_windows``, its usual answer without the call
+        found = last[2] if last is not None and last[1] == group and last[0] == key else None
+        for window in found if found is not None else self._windows(key, group, now):
             amount = cost.get(window.name)
-            if amount and (waited := window.bucket.wait_for(amount, now)):
-                wait = max(wait, waited)
+            if amount:
+                bucket = window.bucket
+                if bucket._level >= amount and bucket._at <= now:  # room without the refill
+                    continue
+                if bucket._at <= now:  # ``Bucket.wait_for``'s usual case, written out: one call per request
+                    level = bucket._level
+                    if now > bucket._at:
+                        level += bucket.rate * (now - bucket._at)
+                        level = min(level, bucket.capacity)
+                    missing = (min(bucket.capacity, amount)) - level
+                    if missing <= bucket.rate * _SLACK_SECONDS:
+                        continue
+                    waited = missing / bucket.rate
+                else:
+                    waited = bucket.wait_for(amount, now)
+                if waited:
+                    wait = max(wait, waited)
         return wait
 
     def blocked_by(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> list[WindowId]:
@@ -363,19 +391,33 @@ class WindowBook:
 
     def take(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> None:
         """A request is sent: its cost is spent, and reserved until it ends."""
-        for window in self._windows(key, group, now):
+        last = self._last  # ``_windows``, its usual answer without the call
+        found = last[2] if last is not None and last[1] == group and last[0] == key else None
+        for window in found if found is not None else self._windows(key, group, now):
             amount = cost.get(window.name)
             if amount:
-                window.bucket.take(amount, now)
+                bucket = window.bucket  # ``Bucket.take``, written out: one call per request
+                at = bucket._at
+                if now > at:
+                    level = bucket._level + bucket.rate * (now - at)
+                    bucket._level = level if level < bucket.capacity else bucket.capacity  # noqa: FURB136 - no call
+                    bucket._at = now
+                bucket._level -= amount
+                recent = bucket._recent
+                recent.append((now, amount))
+                while recent and recent[0][0] < now - _RECENT_SECONDS:
+                    recent.popleft()
                 window.reserved += amount
 
     def ended(self, key: str | None, group: str, cost: Mapping[str, float]) -> None:
         """A request ended: its cost is no longer reserved (nothing is given back: a window is spent by sending)."""
-        windows = self._sets.get((key, group))
-        for window in windows or ():
+        last = self._last  # the pair last used, else a lookup that leaves the order of use alone
+        found = last[2] if last is not None and last[1] == group and last[0] == key else None
+        for window in found if found is not None else self._sets.get((key, group)) or ():
             amount = cost.get(window.name)
             if amount:
-                window.reserved = max(0.0, window.reserved - amount)
+                left = window.reserved - amount
+                window.reserved = left if left > 0.0 else 0.0  # noqa: FURB136 - max(0.0, left), without the call
 
     def count_held(self, ids: Iterable[WindowId]) -> None:
         """A request began waiting on these windows."""
@@ -391,9 +433,12 @@ class WindowBook:
         """Reconcile a window with what the answer reported; True when room was given back."""
         if rule not in SETTLE_RULES:
             raise ValueError(f"unknown settle rule {rule!r}: use one of {', '.join(SETTLE_RULES)}")
-        windows = self._sets.get((key, group))
-        entry = next((w for w in windows or () if w.name == window), None)
-        if entry is None:
+        last = self._last  # the pair last used, else a lookup that leaves the order of use alone
+        found = last[2] if last is not None and last[1] == group and last[0] == key else None
+        for entry in found if found is not None else self._sets.get((key, group)) or ():
+            if entry.name == window:
+                break
+        else:
             return False
         beyond = actual - charged
         if beyond > 0:
@@ -419,15 +464,25 @@ class WindowBook:
         announced 0 stands for 0 and up)."""
         if not remaining:
             return
-        for entry in self._windows(key, group, now):
+        last = self._last  # ``_windows``, its usual answer without the call
+        found = last[2] if last is not None and last[1] == group and last[0] == key else None
+        for entry in found if found is not None else self._windows(key, group, now):
             announced = remaining.get(entry.name)
             if announced is not None:
                 bucket = entry.bucket
-                slack = min(ROUNDED_REMAINING.get(entry.name, 0.0), max(announced, 0.0))
+                rounded = ROUNDED_REMAINING.get(entry.name, 0.0)  # min(rounded, max(announced, 0.0)), without calls
+                floor = 0.0 if 0.0 > announced else announced  # noqa: FURB136
+                slack = floor if floor < rounded else rounded  # noqa: FURB136
                 recent = bucket._recent
                 if recent and recent[-1][0] > answered_at:  # sent since it answered
                     announced -= bucket.taken_since(answered_at)
-                bucket.correct(announced, now, slack)
+                at = bucket._at  # ``Bucket.correct``, written out: one call per answer
+                if now > at:
+                    level = bucket._level + bucket.rate * (now - at)
+                    bucket._level = level if level < bucket.capacity else bucket.capacity  # noqa: FURB136 - no call
+                    bucket._at = now
+                if bucket._level > announced + slack:
+                    bucket._level = announced - slack
 
     # ----- observing -------------------------------------------------------------
 

@@ -42,12 +42,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from bisect import bisect_left, insort
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
+
+from .request_body import RequestBody, as_parsed, max_output
 
 __all__ = ["INPUT_WINDOW", "OUTPUT_WINDOW", "REQUESTS_WINDOW", "TOKENS_WINDOW", "Estimate", "Estimator", "RequestBody",
            "actual_for"]
@@ -74,7 +75,6 @@ LOOKBACK = 20
 MIN_CACHED_TOKENS = 1024
 PRIOR_IMAGE_TOKENS = 1600
 _MEDIA_MARK = b"base64"
-_MAX_KEYS = ("max_tokens", "max_output_tokens", "max_completion_tokens")
 _CACHE_MARK = b'"cache_control"'
 _ERRORS_OF_INPUT = "input"
 
@@ -127,11 +127,13 @@ class _Recent:
     """The last ``RECENT`` values, kept in order as well as in arrival order (one insertion per answer, not
     a sort): the ratio and output histories, whose p90 each estimate reads."""
 
-    __slots__ = ("ordered", "values")
+    __slots__ = ("ordered", "p90", "values")
 
     def __init__(self) -> None:
         self.values: deque[float] = deque()
         self.ordered: list[float] = []
+        self.p90: float | None = None
+        """The nearest-rank p90 of the values (None: none yet), kept as each comes: every estimate reads it."""
 
     def add(self, value: float) -> None:
         values, ordered = self.values, self.ordered
@@ -139,15 +141,11 @@ class _Recent:
         if len(values) > RECENT:
             del ordered[bisect_left(ordered, values.popleft())]
         insort(ordered, value)
+        self.p90 = ordered[(9 * len(ordered) + 9) // 10 - 1]  # ceil(0.9 n) - 1, in integers
 
     @property
     def p50(self) -> float | None:
         return _percentile(self.ordered, 0.5) if self.ordered else None
-
-    @property
-    def p90(self) -> float | None:
-        ordered = self.ordered
-        return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)] if ordered else None
 
 
 class _Errors:
@@ -157,9 +155,7 @@ class _Errors:
 
     def __init__(self) -> None:
         self.values: deque[float] = deque(maxlen=RECENT)
-
-    def add(self, value: float) -> None:
-        self.values.append(value)
+        """Appended to by ``Estimator.learn``."""
 
     @property
     def p50(self) -> float | None:
@@ -197,6 +193,9 @@ class Estimator:
 
     def __init__(self, *, groups_kept: int = 1024, prefixes_kept: int = 50_000) -> None:
         self._groups: OrderedDict[str, _Group] = OrderedDict()
+        self._last: tuple[str, _Group] | None = None
+        """The group last used and its stats: already the most recently used (a request's estimate and the
+        learning from its answer find it without a lookup)."""
         self._prefixes: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         """A prefix's digest (its key, group and model are hashed in) -> (expires at, lifetime)."""
         self._groups_kept = groups_kept
@@ -216,8 +215,10 @@ class Estimator:
             tokens = any(window != REQUESTS_WINDOW for window in windows)
             if type(windows) is tuple and len(self._checked) < _CHECKED_KEPT:
                 self._checked[checked] = tokens
-        stats = self._group(group)
-        ratio = stats.ratio()
+        last = self._last
+        stats = last[1] if last is not None and last[0] == group else self._group(group)
+        learned = stats.ratios.p90  # ``_Group.ratio``, written out: read on every request
+        ratio = (PRIOR_RATIO if learned is None else learned) * stats.raised
         carried = float(sum(continuation)) if continuation is not None else 0.0
         if not tokens:
             return Estimate({w: 1.0 for w in windows}, len(body), 0.0, len(body) * ratio + carried, 0.0,
@@ -228,19 +229,21 @@ class Estimator:
         counted = len(body)
         if _MEDIA_MARK in body:
             media = _Media()
-            _find_media(_as_parsed(request), media)
+            _find_media(as_parsed(request), media)
             images, counted = media.images, counted - media.payload
         image_tokens = stats.image_tokens() if images or dialect == "anthropic" else 0.0
         total_input = counted * ratio + images * image_tokens + carried
-        asked = request.max_output() if type(request) is RequestBody else _max_output(request)
+        asked = request.max_output() if type(request) is RequestBody else max_output(request)
         history = stats.outputs.p90
         if history is None:
             output = float(asked if asked is not None else PRIOR_OUTPUT)
         else:
-            output = history if asked is None else min(history, float(asked))
+            output = history  # min(history, float(asked)), without the call
+            if asked is not None and float(asked) < history:
+                output = float(asked)
         read, note = 0.0, None
         if dialect == "anthropic" and INPUT_WINDOW in windows and continuation is None and _CACHE_MARK in body:
-            read, note = self._mirror(key, group, _as_parsed(request), counted, ratio, image_tokens, images > 0,
+            read, note = self._mirror(key, group, as_parsed(request), counted, ratio, image_tokens, images > 0,
                                       now)
         cost = {}
         for window in windows:
@@ -249,7 +252,11 @@ class Estimator:
             elif window == OUTPUT_WINDOW:
                 cost[window] = output
             elif window == TOKENS_WINDOW:
-                cost[window] = max(float(asked), total_input) if asked is not None else total_input + output
+                if asked is None:
+                    cost[window] = total_input + output
+                else:  # max(float(asked), total_input), without the call
+                    most = float(asked)
+                    cost[window] = total_input if total_input > most else most  # noqa: FURB136
             else:
                 cost[window] = 1.0
         return Estimate(cost, counted, read, total_input, output, dialect, carried, images, note)
@@ -260,24 +267,26 @@ class Estimator:
         output history, each window's estimate error, and the mirrored cache. ``cache_write`` None means
         unknown; an answer that read and wrote nothing leaves the request's breakpoints unremembered."""
         del key  # the ratio is the group's; the cache digests carry the key
-        stats = self._group(group)
+        last = self._last
+        stats = last[1] if last is not None and last[0] == group else self._group(group)
         if estimate.images:
             text = estimate.input_bytes * (stats.ratios.p90 or PRIOR_RATIO) + estimate.carried
             stats.images.add(max(0.0, input_tokens - text) / estimate.images)
         elif estimate.input_bytes > 0 and not estimate.carried and input_tokens > 0:
-            stats.ratios.add(min(MAX_RATIO, input_tokens / estimate.input_bytes))
+            ratio = input_tokens / estimate.input_bytes
+            stats.ratios.add(ratio if ratio < MAX_RATIO else MAX_RATIO)  # noqa: FURB136 - min, without the call
         stats.outputs.add(float(output_tokens))
         if stats.raised != 1.0:
             stats.raised = 1.0 + (stats.raised - 1.0) * RAISE_KEPT
         errors = stats.errors
         if estimate.input > 0:
-            (errors.get(_ERRORS_OF_INPUT) or _errors(stats, _ERRORS_OF_INPUT)).add(
+            (errors.get(_ERRORS_OF_INPUT) or _errors(stats, _ERRORS_OF_INPUT)).values.append(
                 input_tokens / estimate.input - 1.0)
         for window, charged in estimate.cost.items():
             if window != REQUESTS_WINDOW and charged > 0:
                 actual = actual_for(estimate.dialect, window, input_tokens, cached_read, cache_write or 0,
                                     output_tokens)
-                (errors.get(window) or _errors(stats, window)).add(actual / charged - 1.0)
+                (errors.get(window) or _errors(stats, window)).values.append(actual / charged - 1.0)
         if estimate.cache is not None:
             self._learn_cache(estimate.cache, cached_read, cache_write, now)
 
@@ -313,6 +322,7 @@ class Estimator:
                 self._groups.popitem(last=False)
         else:
             self._groups.move_to_end(group)
+        self._last = (group, stats) if group in self._groups else None
         return stats
 
     def _mirror(self, key: str | None, group: str, request: Mapping[str, Any], counted: int, ratio: float,
@@ -498,16 +508,6 @@ def _candidates(breakpoints: list[int]) -> list[int]:
     return sorted(seen, reverse=True)
 
 
-def _max_output(request: Mapping[str, Any]) -> int | None:
-    """The request's own output maximum (a WebSocket frame may nest it in its ``response``); the largest
-    when it names several."""
-    nested = request.get("response")
-    places = (request, nested) if isinstance(nested, dict) else (request,)
-    found = [value for place in places for name in _MAX_KEYS
-             if type(value := place.get(name)) is int and value > 0]
-    return max(found) if found else None
-
-
 def _check(dialect: str, windows: Collection[str]) -> None:
     if dialect not in _DIALECTS:
         raise ValueError(f"unknown provider dialect {dialect!r}: it is 'anthropic' or 'openai'")
@@ -517,70 +517,6 @@ def _check(dialect: str, windows: Collection[str]) -> None:
 
 
 _CHECKED_KEPT = 64
-
-_MAX_MARK = b'"max_'
-_BACKSLASH = ord("\\")
-_LAST_MAX = re.compile(
-    rb'"(?:max_tokens|max_output_tokens|max_completion_tokens)"\s*:\s*(-?\d{1,18})(?=[\s,}])[^}]*\}\s*\Z')
-"""A maximum followed by one ``}``, the body's last byte but whitespace: the object it is in is the body's."""
-
-
-class RequestBody(Mapping[str, Any]):
-    """A request's JSON body, parsed on first look ({} when it is not a JSON object). OpenAI's windows need
-    only its bytes and its output maximum, which ``max_output`` reads without a parse when the body names
-    one once, after its objects (as SDKs write it, after the messages)."""
-
-    __slots__ = ("_data", "body")
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self._data: dict[str, Any] | None = None
-
-    def parsed(self) -> dict[str, Any]:
-        data = self._data
-        if data is None:
-            data = self._data = _parsed(self.body)
-        return data
-
-    def __getitem__(self, name: str) -> Any:
-        return self.parsed()[name]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        return self.parsed().get(name, default)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.parsed())
-
-    def __len__(self) -> int:
-        return len(self.parsed())
-
-    def max_output(self) -> int | None:
-        """``_max_output`` of the parsed body, read from its bytes when they settle it: the body names one
-        maximum, and the only ``}`` after it is the body's last byte, so the object it is in is the body's."""
-        if self._data is None:
-            body = self.body
-            at = body.find(_MAX_MARK)
-            if at < 0:
-                return None
-            if body.find(_MAX_MARK, at + 1) < 0 and (at == 0 or body[at - 1] != _BACKSLASH):
-                found = _LAST_MAX.match(body, at)
-                if found is not None:
-                    value = int(found.group(1))
-                    return value if value > 0 else None
-        return _max_output(self.parsed())
-
-
-def _as_parsed(request: Mapping[str, Any]) -> Mapping[str, Any]:
-    return request.parsed() if type(request) is RequestBody else request
-
-
-def _parsed(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
 
 def _errors(stats: _Group, name: str) -> _Errors:
     recent = stats.errors.get(name)

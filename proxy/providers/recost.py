@@ -15,8 +15,13 @@ The rule, in one place: a group's estimates have **moved** when
 When they move, each waiter of that group queued in this process is estimated again from its own body
 (the mirrored cache as it is then included), whichever way its cost goes, and admission is looked at again
 at once; its place in the queue is not part of its cost and does not change. A smaller drift costs nothing
-again: a request costs what it was last estimated at until the next move. Pure: the caller passes what the
-estimator says (``Estimator.basis``).
+again: a request costs what it was last estimated at until the next move.
+
+While none of the provider's requests is asking for its slot in this process, there is nothing here to cost
+again, and the check is not made: the group's answers are not followed. Where its estimates then moved to is
+not known, so the first check with a request asking measures from the priors (``PRIOR``): a group that has
+answers has moved, and its waiters are estimated again once, from what it has learned by then. Pure: the
+caller passes what the estimator says (``Estimator.basis``) and counts the requests asking (``Drift.asking``).
 """
 
 from __future__ import annotations
@@ -63,11 +68,23 @@ class Drift:
     seen: its first answer moves it). Outlives config reloads as the estimator does; the least recently moved
     group is forgotten first beyond ``kept``."""
 
-    __slots__ = ("_bases", "_kept")
+    __slots__ = ("_bases", "_kept", "asking")
 
     def __init__(self, kept: int = 1024) -> None:
         self._bases: OrderedDict[str, Basis] = OrderedDict()
         self._kept = kept
+        self.asking = 0
+        """The provider's requests asking for their slot in this process now: from their estimate until their
+        grant, or until they give up (the caller counts them)."""
+
+    def follows(self, group: str) -> bool:
+        """Whether an answer of ``group`` is to be checked (``moved``): only while a request is asking. An
+        answer that is not leaves the group unfollowed, measured from the priors at its next check."""
+        if self.asking > 0:
+            return True
+        if group in self._bases:
+            del self._bases[group]
+        return False
 
     def moved(self, group: str, basis: Basis) -> bool:
         """Whether ``group``'s estimates moved to ``basis``; if they did, it is the one later moves are

@@ -65,18 +65,21 @@ class TokenCounts(NamedTuple):
 class UsageReader:
     """The usage objects of one answer, merged: a later object's fields replace an earlier one's."""
 
-    __slots__ = ("_fields", "model")
+    __slots__ = ("_fields", "_totals", "model")
 
     with_model: ClassVar[bool] = False
     """Also note the model the answer names (traces show it): read from the text a usage object was found in."""
 
     def __init__(self) -> None:
         self._fields: dict[str, Any] = {}
+        self._totals: tuple[int, int, int, int, int] | None = None
+        """``totals()`` once asked, until another usage object comes (the windows and the ledger both ask)."""
         self.model: str | None = None
 
     def add(self, usage: object) -> None:
         if isinstance(usage, dict) and usage:
             self._fields.update(usage)
+            self._totals = None
 
     def read(self, text: bytes) -> None:
         """Every ``"usage": {...}`` object in one complete JSON text (an event's line, a frame, a whole body),
@@ -89,6 +92,7 @@ class UsageReader:
             usage = _object_at(text, at)
             if usage:
                 fields.update(usage)
+                self._totals = None
                 if self.with_model and self.model is None:
                     self._note_model(text)
             at = text.find(USAGE_MARK, at)
@@ -105,7 +109,10 @@ class UsageReader:
 
     def totals(self) -> tuple[int, int, int, int, int] | None:
         """``counts()`` as a plain tuple, in its order: what a ledger row is made of, without the named tuple."""
-        return _normalised(self._fields) if self._fields else None
+        totals = self._totals
+        if totals is None and self._fields:
+            totals = self._totals = _normalised(self._fields)
+        return totals
 
 
 def _object_at(text: bytes, after_key: int) -> dict[str, Any] | None:

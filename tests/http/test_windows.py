@@ -301,3 +301,65 @@ def test_a_lease_is_settled_against_the_estimate_its_grant_took() -> None:
     assert costing.taken(_Lease({"output_tokens_per_minute": 64_000})) is first, "granted before the re-costing"
     assert costing.taken(_Lease(dict(fresh))) is costing.estimates[-1][0]
     assert costing.taken(_Lease(None)) is costing.estimates[-1][0]
+
+
+def test_no_move_is_checked_while_no_request_asks_and_waiters_asking_after_are_costed_again() -> None:
+    """An answer that comes while none of the provider's requests is asking for its slot here is not checked
+    for a move (nothing could be costed again); the first answer that comes while one asks is checked, from the
+    priors, so that request is costed again once, and later small drifts cost nothing again."""
+    from proxy.http.windows import parsed_request
+    from proxy.providers.tokens import TokenCounts
+
+    windowing, backend = _windowing(), _Backend()
+    asked: list[str] = []
+    basis = windowing.estimator.basis
+    windowing.estimator.basis = lambda group: asked.append(group) or basis(group)  # type: ignore[method-assign]
+    body = json.dumps(messages(max_tokens=64_000)).encode()
+    _, request = parsed_request("v1/messages", body)
+    first = windowing.costing(backend, "claude-m", body, request)
+    assert windowing.drift.asking == 1
+    first.taken(_Lease({"output_tokens_per_minute": 64_000.0}))
+    first.taken(_Lease({"output_tokens_per_minute": 64_000.0}))
+    assert windowing.drift.asking == 0, "granted: it asks no more (once, however often it is read)"
+
+    def answered(output: int) -> None:
+        windowing.settle(backend, _Lease({"output_tokens_per_minute": 64_000.0}), "claude-m",
+                         first.estimates[0][0], TokenCounts(500, 0, 0, output))
+    for output in (480, 5_000, 480):
+        answered(output)
+    assert (asked, backend.recosted) == ([], []), "nobody asking: the estimates' moves are not followed"
+    waiting = windowing.costing(backend, "claude-m", body, request)
+    assert waiting.cost == {"output_tokens_per_minute": 5_000}
+    answered(5_000)
+    assert asked == ["claude-m"] and backend.recosted == [("anthropic", "claude-m")], \
+        "a request asks: checked, from the priors (the moves before it were not followed)"
+    answered(5_000)
+    assert len(asked) == 2 and len(backend.recosted) == 1, "measured from there on as before"
+    waiting.left()
+    waiting.left()
+    assert windowing.drift.asking == 0
+    answered(480)
+    assert len(asked) == 2 and len(backend.recosted) == 1
+
+
+async def test_no_request_counts_as_asking_once_it_was_granted_refused_or_left(start_upstream, start_proxy,
+                                                                               client) -> None:
+    """A request granted at once, one whose client leaves while it is queued, and one that times out in the
+    queue each stop asking (``Drift.asking``): the first holds the output window for two seconds."""
+    up = await start_upstream(otpm=OTPM, chunks=2, delay_ms=1_000)
+    proxy = await start_proxy(anthropic_yaml(up, f"{{output_tokens_per_minute: {OTPM}}}", retry_on_429=0,
+                                             queue_timeout="0.4s"))
+    drift = proxy.state.windowing("anthropic").drift
+    granted = asyncio.create_task(post(client, proxy, messages(max_tokens=64_000)))
+    await asyncio.sleep(0.1)
+    try:
+        async with client.post(proxy.url + "/anthropic/v1/messages", json=messages(max_tokens=64_000),
+                               timeout=aiohttp.ClientTimeout(total=0.1)) as resp:
+            await resp.read()
+    except TimeoutError:
+        pass
+    status, body = await post(client, proxy, messages(max_tokens=64_000))
+    assert (status, body["error"]["code"]) == (503, "queue_timeout")
+    assert (await granted)[0] == 200
+    await asyncio.sleep(0.1)
+    assert drift.asking == 0

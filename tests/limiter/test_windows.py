@@ -404,3 +404,46 @@ def test_a_refill_timer_grants_when_it_fires_where_the_clock_s_floats_are_coarse
     clock.advance(60)
     assert rec.order == ["a", "b"]
     assert clock.timers_set == 2
+
+
+def test_a_request_s_windows_are_looked_up_once_and_the_least_recently_used_idle_pair_is_still_forgotten_first(
+        ) -> None:
+    """Its take, end, settling and answer find the windows of the (key, group) it was admitted on without
+    another lookup; a pair reloaded or forgotten in between is looked up again, and the order of use kept."""
+    from collections import OrderedDict
+
+    from proxy.limiter import window
+
+    class Counted(OrderedDict[Any, Any]):
+        gets = 0
+
+        def get(self, *args: Any) -> Any:
+            Counted.gets += 1
+            return super().get(*args)
+
+    book = WindowBook(WindowSettings(provider={TPM: 10_000, RPM: 100}))
+    book._sets = Counted(book._sets)
+    cost = {TPM: 300.0, RPM: 1.0}
+    assert book.wait_for(None, "gpt", cost, T0) == 0.0
+    looked_up = Counted.gets
+    book.take(None, "gpt", cost, T0)
+    book.correct_all(None, "gpt", {TPM: 9_000}, T0 + 1, T0)
+    assert not book.settle(None, "gpt", TPM, 300.0, 400.0, "charge_beyond", T0 + 2)
+    book.ended(None, "gpt", cost)
+    assert Counted.gets == looked_up, "one lookup for the request"
+    assert [(row["available"], row["reserved"]) for row in book.status(None, now=T0 + 2)] == [(9_066, 0), (100, 0)]
+    book.wait_for(None, "o3", cost, T0 + 2)
+    book.ended(None, "gpt", cost)
+    assert Counted.gets > looked_up, "another pair used since: looked up again"
+    book.apply(WindowSettings(provider={TPM: 20_000, RPM: 100}), T0 + 3)
+    book.take(None, "o3", cost, T0 + 3)
+    assert book.limits_for(None, "o3") == {TPM: 20_000, RPM: 100}
+    assert [row["reserved"] for row in book.status(None, "o3", now=T0 + 3)] == [300, 1], "the reloaded windows"
+    book.ended(None, "o3", cost)
+    saved, window.MAX_GROUPS = window.MAX_GROUPS, 2
+    try:
+        book.wait_for(None, "gpt", cost, T0 + 4)  # now used after o3: o3 is the least recently used
+        book.wait_for(None, "claude", cost, T0 + 4)
+    finally:
+        window.MAX_GROUPS = saved
+    assert [group for _, group in book._sets] == ["gpt", "claude"]

@@ -433,3 +433,38 @@ def test_error_percentiles_are_the_recent_estimates() -> None:
     status = estimator.status(None, "g", TOKENS_WINDOW)
     assert status["estimate_error_p50"] is not None and status["estimate_error_p90"] is not None
     assert status["estimate_error_p50"] <= status["estimate_error_p90"]
+
+
+def test_a_group_used_again_is_found_without_a_lookup_and_the_least_recently_used_is_still_forgotten_first(
+        ) -> None:
+    """A request's estimate and the learning from its answer use the same group: the second finds it without
+    a lookup (nor a move: it is already the most recently used)."""
+    from collections import OrderedDict
+    from typing import Any
+
+    class Counted(OrderedDict[Any, Any]):
+        looked_up = 0
+
+        def get(self, *args: Any) -> Any:
+            Counted.looked_up += 1
+            return super().get(*args)
+
+    estimator = Estimator(groups_kept=2)
+    estimator._groups = Counted()
+    body = json.dumps({"model": "gpt-m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}).encode()
+
+    def answered(group: str) -> None:
+        estimate = estimator.estimate(dialect="openai", key=None, group=group, body=body, request=None,
+                                      windows=OPENAI, now=0.0)
+        estimator.learn(key=None, group=group, estimate=estimate, input_tokens=10, cached_read=0, output_tokens=5,
+                        now=1.0)
+    answered("a")
+    first = Counted.looked_up
+    answered("a")
+    answered("a")
+    assert Counted.looked_up == first, "the group last used: no lookup"
+    answered("b")
+    answered("a")  # b is now the least recently used
+    answered("c")
+    assert list(estimator._groups) == ["a", "c"]
+    assert estimator.status(None, "a")["ratio"] == pytest.approx(10 / len(body))

@@ -136,3 +136,16 @@ def test_a_rows_plain_totals_are_the_named_counts(usage: dict[str, object]) -> N
     totals, counts = reader.totals(), reader.counts()
     assert totals == (None if counts is None else tuple(counts))
     assert totals is None or type(totals) is tuple  # a ledger row is made without a named tuple in between
+
+
+def test_the_totals_are_worked_out_once_until_another_usage_object_comes() -> None:
+    """The windows' settling and the ledger's row both ask for an answer's totals: the second asks nothing again."""
+    usage = UsageReader()
+    assert usage.totals() is None
+    usage.read(b'{"usage":{"prompt_tokens":12,"completion_tokens":1}}')
+    first = usage.totals()
+    assert first == (12, 0, 0, 1, 0) and usage.totals() is first
+    usage.read(b'data: {"usage":{"completion_tokens":5}}')
+    assert usage.totals() == (12, 0, 0, 5, 0)
+    usage.add({"prompt_tokens": 20})
+    assert usage.totals() == (20, 0, 0, 5, 0) == usage.counts()
