@@ -142,6 +142,8 @@ class Bucket:
         at = self._at
         if at <= now:  # the usual case, without the calls
             level = self._level
+            if level >= amount:  # room without the refill
+                return 0.0
             if now > at:
                 level += self.rate * (now - at)
                 level = min(level, self.capacity)
@@ -359,23 +361,8 @@ class WindowBook:
         found = last[2] if last is not None and last[1] == group and last[0] == key else None
         for window in found if found is not None else self._windows(key, group, now):
             amount = cost.get(window.name)
-            if amount:
-                bucket = window.bucket
-                if bucket._level >= amount and bucket._at <= now:  # room without the refill
-                    continue
-                if bucket._at <= now:  # ``Bucket.wait_for``'s usual case, written out: one call per request
-                    level = bucket._level
-                    if now > bucket._at:
-                        level += bucket.rate * (now - bucket._at)
-                        level = min(level, bucket.capacity)
-                    missing = (min(bucket.capacity, amount)) - level
-                    if missing <= bucket.rate * _SLACK_SECONDS:
-                        continue
-                    waited = missing / bucket.rate
-                else:
-                    waited = bucket.wait_for(amount, now)
-                if waited:
-                    wait = max(wait, waited)
+            if amount and (waited := window.bucket.wait_for(amount, now)):
+                wait = max(wait, waited)
         return wait
 
     def blocked_by(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> list[WindowId]:
@@ -396,17 +383,7 @@ class WindowBook:
         for window in found if found is not None else self._windows(key, group, now):
             amount = cost.get(window.name)
             if amount:
-                bucket = window.bucket  # ``Bucket.take``, written out: one call per request
-                at = bucket._at
-                if now > at:
-                    level = bucket._level + bucket.rate * (now - at)
-                    bucket._level = level if level < bucket.capacity else bucket.capacity  # noqa: FURB136 - no call
-                    bucket._at = now
-                bucket._level -= amount
-                recent = bucket._recent
-                recent.append((now, amount))
-                while recent and recent[0][0] < now - _RECENT_SECONDS:
-                    recent.popleft()
+                window.bucket.take(amount, now)
                 window.reserved += amount
 
     def ended(self, key: str | None, group: str, cost: Mapping[str, float]) -> None:
@@ -476,13 +453,7 @@ class WindowBook:
                 recent = bucket._recent
                 if recent and recent[-1][0] > answered_at:  # sent since it answered
                     announced -= bucket.taken_since(answered_at)
-                at = bucket._at  # ``Bucket.correct``, written out: one call per answer
-                if now > at:
-                    level = bucket._level + bucket.rate * (now - at)
-                    bucket._level = level if level < bucket.capacity else bucket.capacity  # noqa: FURB136 - no call
-                    bucket._at = now
-                if bucket._level > announced + slack:
-                    bucket._level = announced - slack
+                bucket.correct(announced, now, slack)
 
     # ----- observing -------------------------------------------------------------
 
