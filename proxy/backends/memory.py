@@ -139,8 +139,7 @@ class MemoryBackend:
 
     def settle_windows(self, provider: str, lease: SlotLease, actual: Mapping[str, float],
                        rules: Mapping[str, str]) -> None:
-        limiter = self._limiters.get(provider) or self._retired.get(provider)  # ``_windows``: once per answer
-        windows = None if limiter is None else limiter.windows
+        windows = self._windows(provider)
         if windows is not None and isinstance(lease, Lease):
             windows.settle_windows(lease, actual, rules)
 
@@ -163,8 +162,7 @@ class MemoryBackend:
 
     def report_window_remaining(self, provider: str, key: str | None, group: str | None,
                                 remaining: Mapping[str, float], answered_at: float) -> None:
-        limiter = self._limiters.get(provider) or self._retired.get(provider)  # ``_windows``: once per answer
-        windows = None if limiter is None else limiter.windows
+        windows = self._windows(provider)
         if windows is not None:
             windows.report_window_remaining(key, group, remaining, answered_at)
 

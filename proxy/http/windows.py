@@ -142,11 +142,7 @@ class Windowing:
         room = None
         for window, name in self.remaining_headers:
             value = get(name)
-            if value is None:
-                continue
-            # ``header_count``; a plain count (as providers send it) read without the call
-            left = int(value) if value.isdigit() and value.isascii() and len(value) <= 15 else header_count(value)
-            if left is not None:
+            if value is not None and (left := header_count(value)) is not None:
                 if room is None:
                     room = {window: left}
                 else:
@@ -214,9 +210,7 @@ class Windowing:
                         changes = True
             if changes:
                 backend.settle_windows(self.provider, lease, actual, self.rules)
-        drift = self.drift  # ``_moved``, written out
-        if drift.follows(group) and drift.moved(group, Basis(*self.estimator.basis(group))):
-            backend.recost_windows(self.provider, group)
+        self._moved(backend, group)
 
     def status(self, row: dict[str, Any]) -> None:
         """Fill a status window row's ratio and estimate errors."""
@@ -268,9 +262,7 @@ class Costing:
     def taken(self, lease: SlotLease) -> Estimate:
         """The estimate whose cost ``lease`` took: the latest with that cost (the latest without one taken).
         It asks no more (``left``)."""
-        if self.asking:
-            self.asking = False
-            self.windowing.drift.asking -= 1
+        self.left()
         taken = lease.cost
         if taken is not None:
             for estimate, cost in reversed(self.estimates):

@@ -228,7 +228,7 @@ class WindowBook:
         self._last: tuple[str | None, str, list[_Window]] | None = None
         """The (key, group) last looked up with ``_windows``, and its windows: the most recently used pair, so
         already last in ``_sets`` (a request's take, end, settling and its answer's correction find it without a
-        lookup: each reads it where ``_windows`` would be called). Forgotten whenever ``_sets`` changes otherwise."""
+        lookup or a move). Forgotten whenever ``_sets`` changes otherwise."""
         self._learned: dict[WindowId, int] = {}
         self._hits: dict[WindowId, int] = {}
 
@@ -336,6 +336,13 @@ class WindowBook:
         self._last = (key, group, windows) if (key, group) in sets else None
         return windows
 
+    def _known(self, key: str | None, group: str) -> list[_Window]:
+        """The windows of (key, group) if it has any, found without changing the order of use."""
+        last = self._last
+        if last is not None and last[1] == group and last[0] == key:
+            return last[2]
+        return self._sets.get((key, group)) or []
+
     def _forget_idle(self, now: float) -> None:
         for pair, windows in self._sets.items():
             if all(w.reserved <= 0 and w.bucket.level(now) >= w.bucket.capacity for w in windows):
@@ -357,9 +364,7 @@ class WindowBook:
     def wait_for(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> float:
         """Seconds until every window of (key, group) has room for ``cost`` (0.0: now)."""
         wait = 0.0
-        last = self._last  # ``_windows``, its usual answer without the call
-        found = last[2] if last is not None and last[1] == group and last[0] == key else None
-        for window in found if found is not None else self._windows(key, group, now):
+        for window in self._windows(key, group, now):
             amount = cost.get(window.name)
             if amount and (waited := window.bucket.wait_for(amount, now)):
                 wait = max(wait, waited)
@@ -378,9 +383,7 @@ class WindowBook:
 
     def take(self, key: str | None, group: str, cost: Mapping[str, float], now: float) -> None:
         """A request is sent: its cost is spent, and reserved until it ends."""
-        last = self._last  # ``_windows``, its usual answer without the call
-        found = last[2] if last is not None and last[1] == group and last[0] == key else None
-        for window in found if found is not None else self._windows(key, group, now):
+        for window in self._windows(key, group, now):
             amount = cost.get(window.name)
             if amount:
                 window.bucket.take(amount, now)
@@ -388,9 +391,7 @@ class WindowBook:
 
     def ended(self, key: str | None, group: str, cost: Mapping[str, float]) -> None:
         """A request ended: its cost is no longer reserved (nothing is given back: a window is spent by sending)."""
-        last = self._last  # the pair last used, else a lookup that leaves the order of use alone
-        found = last[2] if last is not None and last[1] == group and last[0] == key else None
-        for window in found if found is not None else self._sets.get((key, group)) or ():
+        for window in self._known(key, group):
             amount = cost.get(window.name)
             if amount:
                 left = window.reserved - amount
@@ -410,9 +411,7 @@ class WindowBook:
         """Reconcile a window with what the answer reported; True when room was given back."""
         if rule not in SETTLE_RULES:
             raise ValueError(f"unknown settle rule {rule!r}: use one of {', '.join(SETTLE_RULES)}")
-        last = self._last  # the pair last used, else a lookup that leaves the order of use alone
-        found = last[2] if last is not None and last[1] == group and last[0] == key else None
-        for entry in found if found is not None else self._sets.get((key, group)) or ():
+        for entry in self._known(key, group):
             if entry.name == window:
                 break
         else:
@@ -441,9 +440,7 @@ class WindowBook:
         announced 0 stands for 0 and up)."""
         if not remaining:
             return
-        last = self._last  # ``_windows``, its usual answer without the call
-        found = last[2] if last is not None and last[1] == group and last[0] == key else None
-        for entry in found if found is not None else self._windows(key, group, now):
+        for entry in self._windows(key, group, now):
             announced = remaining.get(entry.name)
             if announced is not None:
                 bucket = entry.bucket
