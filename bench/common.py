@@ -202,9 +202,16 @@ async def bare_relay(port: int, upstream: str, prefix: str, *, streaming: bool) 
 
     app = web.Application()
     app.router.add_post(prefix + "{rest:.*}", handler)
+    await serve_forever(app, port, reuse_port=True)
+
+
+async def serve_forever(app: Any, port: int, *, reuse_port: bool = False) -> None:
+    """Serve the aiohttp ``app`` on ``HOST:port`` (no access log) until the process is stopped."""
+    from aiohttp import web
+
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, HOST, port, reuse_port=True).start()
+    await web.TCPSite(runner, HOST, port, reuse_port=reuse_port).start()
     await asyncio.Event().wait()
 
 

@@ -12,7 +12,6 @@ opentelemetry-proto is installed, as it is with slotproxy's ``otel`` extra).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
-from common import HOST, Processes, free_port, run_loop, wait_http
+from common import HOST, Processes, free_port, run_loop, serve_forever, wait_http
 
 try:
     from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
@@ -61,10 +60,7 @@ async def _serve(port: int) -> None:
     app.router.add_post("/v1/traces", _traces)
     app.router.add_post("/v1/metrics", _metrics)
     app.router.add_get("/stats", _stats)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, HOST, port).start()
-    await asyncio.Event().wait()
+    await serve_forever(app, port)
 
 
 class Sink:

@@ -96,6 +96,7 @@ from common import (
     raise_on_sigterm,
     rss_kib,
     run_loop,
+    serve_forever,
     start_fake_upstream,
     start_serve,
     stop_group,
@@ -168,10 +169,7 @@ async def bare_ws_relay(port: int, upstream: str) -> None:
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/{rest:.*}", handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, HOST, port).start()
-    await asyncio.Event().wait()
+    await serve_forever(app, port)
 
 
 # --- the servers -----------------------------------------------------------------------
