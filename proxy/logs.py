@@ -18,8 +18,11 @@ __all__ = ["BackoffLog", "JsonFormatter", "QuietParserErrors", "ReportPacer", "T
            "setup_logging"]
 
 _SECRET = re.compile(
-    r"(?i)(authorization|x-api-key|api[_-]?key|token|bearer)(\"?\s*[:=]?\s*\"?)(bearer\s+)?([A-Za-z0-9._~+/=-]{8,})"
+    r"(?i)(authorization|x-api-key|api[_-]?key|token|bearer)(?![A-Za-z0-9_])"
+    r"(\"?\s*[:=]?\s*\"?)(bearer\s+)?([A-Za-z0-9._~+/=-]{8,})"
 )
+"""A credential's name, then its value. The name must end there: ``tokens_per_minute`` and ``input_tokens`` are
+the config's and the ledger's words, not a token followed by its value."""
 _KEY_SHAPED = re.compile(r"\b(sk-[A-Za-z0-9_-]{8,}|sk-ant-[A-Za-z0-9_-]{8,})")
 
 

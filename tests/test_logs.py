@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from proxy.logs import ThrottledLog
+from proxy.logs import ThrottledLog, mask_secrets
 
 
 def test_a_repeated_event_is_one_line_an_interval_and_a_single_one_carries_no_count(
@@ -25,3 +25,17 @@ def test_a_repeated_event_is_one_line_an_interval_and_a_single_one_carries_no_co
         "could not write (disk full)",
         "could not write (disk full) (5 since the last report)",
     ]
+
+
+@pytest.mark.parametrize(("line", "masked"), [
+    ("openai.windows null → {tokens_per_minute: 1000000, learn: false}",
+     "openai.windows null → {tokens_per_minute: 1000000, learn: false}"),
+    ("input_tokens_per_minute: 40000000 output_tokens=12345678", "input_tokens_per_minute: 40000000 output_tokens=12345678"),
+    ("token=abcdefgh1234", "token=***"),
+    ('"Authorization": "Bearer abcdefgh1234"', '"Authorization": "Bearer ***"'),
+    ("x-api-key: abcdefgh1234", "x-api-key: ***"),
+    ("api_key=sk-abcdefgh1234", "api_key=***"),
+    ("key sk-ant-abcdefgh1234 pasted", "key *** pasted"),
+])
+def test_secrets_are_masked_and_the_windows_names_are_not(line: str, masked: str) -> None:
+    assert mask_secrets(line) == masked
