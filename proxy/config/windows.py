@@ -7,7 +7,14 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from ..limiter.window import WINDOW_NAMES
 from .types import Headroom, WindowLimit
@@ -20,8 +27,14 @@ DIALECT_WINDOWS: dict[str, tuple[str, ...]] = {
 }
 """The windows each provider API announces in its headers and names in its 429s."""
 
-# A window left out holds nothing; written, it must be a number (null is refused, not read as "none").
-_NO_WINDOW: Any = None
+def _without_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
+# A window left out holds nothing; written, it must be a number (null is refused, not read as "none": in a model's
+# or a key's block it could be read as "no window here" as well as "the provider's"). So the schema names no
+# default, and the effective config (``slotproxy check``) leaves out the windows not written: what it prints loads.
+_NO_WINDOW: Any = Field(default=None, json_schema_extra=_without_default)
 
 
 class _Windows(BaseModel):
@@ -38,6 +51,11 @@ class _Windows(BaseModel):
     def limits(self) -> dict[str, int]:
         """The windows written, by name."""
         return {name: limit for name in WINDOW_NAMES if (limit := getattr(self, name)) is not None}
+
+    @model_serializer(mode="wrap")
+    def _written_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        return {name: value for name, value in data.items() if value is not None or name not in WINDOW_NAMES}
 
 
 class WindowLimits(_Windows):

@@ -74,6 +74,29 @@ def test_check_prints_the_effective_config_with_secrets_masked(tmp_path: Path) -
     assert "limit: 3" in result.stdout
 
 
+def test_the_effective_config_check_prints_with_windows_loads_as_it_is(tmp_path: Path) -> None:
+    """Windows not written are left out of what ``check`` prints (a written null is refused), so the printed
+    config is a config: loaded again, it holds the same windows."""
+    config = tmp_path / "windows.yaml"
+    config.write_text(textwrap.dedent("""\
+        providers:
+          openai:
+            upstream: https://api.openai.com/v1
+            windows: {tokens_per_minute: 1000000}
+            models:
+              "gpt-5*": {windows: {requests_per_minute: 100}}
+        """))
+    printed = run_cli("check", "--config", str(config))
+    assert printed.returncode == 0, printed.stderr
+    assert "null" not in "".join(line for line in printed.stdout.splitlines() if "per_minute" in line)
+    again = tmp_path / "printed.yaml"
+    again.write_text(printed.stdout)
+    reloaded = run_cli("check", "--config", str(again))
+    assert reloaded.returncode == 0, reloaded.stderr
+    assert reloaded.stdout.splitlines()[2:] == printed.stdout.splitlines()[2:]
+    assert "tokens_per_minute: 1000000" in printed.stdout and "requests_per_minute: 100" in printed.stdout
+
+
 def test_check_warns_about_settings_that_switch_something_off(tmp_path: Path) -> None:
     config = tmp_path / "weak.yaml"
     config.write_text(textwrap.dedent("""\
