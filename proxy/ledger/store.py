@@ -1,7 +1,10 @@
 """The ledger: one row per request that reached routing, in an embedded SQLite database.
 
-The event loop only appends a row to a list (no I/O, no lock). At most once a
-second what has gathered goes to the writer, a process of its own
+The event loop only appends a row to a list (no I/O, no lock), and every
+``_PACK_EVERY`` rows pickles what gathered into one chunk of bytes: thousands of
+rows held as objects until the next write would set off the garbage collector's
+young passes every few hundred requests. At most once a second the chunks go to
+the writer, a process of its own
 (:mod:`proxy.ledger.writer`), which writes it in one transaction (WAL mode, so
 readers never wait for it), deletes rows older than ``retention`` once an hour
 and answers the usage queries, so the database is only ever touched there. The
@@ -40,6 +43,9 @@ OUTCOMES = ("ok", "client_gone", "upstream_error", "timeout", "rejected")
 _FLUSH_EVERY = 1.0
 _MAX_PENDING = 200_000
 """Rows kept waiting while the writer is behind; past this the newest are dropped (and counted)."""
+_PACK_EVERY = 256
+"""Rows kept as objects before they are pickled into a chunk: fewer than the collector's young threshold
+(``http.heap.YOUNG_PASS_AFTER``), so rows waiting for their write start no collection."""
 _FAILURE_LOG_EVERY = 60.0
 _WRITER_EXIT_WAIT = 5.0
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -86,6 +92,9 @@ class Ledger:
         self._on_dropped = on_dropped
         self._clock = clock
         self._pending: list[LedgerRow] = []
+        self._packed: list[bytes] = []
+        """Earlier rows waiting for the next write, pickled ``_PACK_EVERY`` at a time (``_pack``)."""
+        self._packed_rows = 0
         self._writer: asyncio.subprocess.Process | None = None
         self._talking = asyncio.Lock()
         self._started = False
@@ -99,13 +108,24 @@ class Ledger:
         return self.path is not None
 
     def record(self, row: LedgerRow) -> None:
-        """Keep a row for the next write (on the event loop: an append, nothing else)."""
+        """Keep a row for the next write (on the event loop: an append, and a pickle every ``_PACK_EVERY`` rows)."""
         if self.path is None:
             return
-        if len(self._pending) >= _MAX_PENDING:
-            self._drop(1, "the writer is behind")
-            return
-        self._pending.append(row)
+        pending = self._pending
+        pending.append(row)
+        if len(pending) >= _PACK_EVERY:
+            if self._packed_rows >= _MAX_PENDING:
+                self._drop(len(pending), "the writer is behind")
+                self._pending = []
+                return
+            self._pack()
+
+    def _pack(self) -> None:
+        """The rows gathered so far, pickled as one chunk (as plain tuples: pickled several times faster than
+        the named ones)."""
+        batch, self._pending = self._pending, []
+        self._packed.append(pickle.dumps([tuple(row) for row in batch], protocol=pickle.HIGHEST_PROTOCOL))
+        self._packed_rows += len(batch)
 
     async def start(self) -> None:
         """Start the writer and open the database there; an unwritable ledger is logged and its rows dropped,
@@ -152,14 +172,16 @@ class Ledger:
         return rows
 
     async def _flush(self) -> None:
-        batch, self._pending = self._pending, []
-        if not batch:
+        if self._pending:
+            self._pack()
+        chunks, rows = self._packed, self._packed_rows
+        if not chunks:
             return
+        self._packed, self._packed_rows = [], 0
         try:
-            # plain tuples: pickled several times faster than the named ones
-            await self._ask(("write", [tuple(row) for row in batch], self._clock(), self.retention))
+            await self._ask(("write", chunks, self._clock(), self.retention))
         except LedgerWriteError as exc:
-            self._drop(len(batch), str(exc))
+            self._drop(rows, str(exc))
 
     async def _write_every_second(self) -> None:
         while True:

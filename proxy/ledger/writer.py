@@ -7,7 +7,7 @@ loop's time a row, three times what the writes themselves cost). In a process of
 loop only the pickling of each second's batch.
 
 The proxy talks to it over the child's stdin and stdout, one request at a time, each way a 4-byte big-endian
-length and a pickle: ``("write", rows, now, retention)``, ``("read", sql, parameters)`` or ``("open",)``; the
+length and a pickle: ``("write", chunks, now, retention)`` (``chunks``: the rows as pickled lists of tuples), ``("read", sql, parameters)`` or ``("open",)``; the
 answer is ``("ok", result)`` or ``("error", what happened in words)``. It ends when its stdin closes: the proxy
 closing the ledger, or the proxy gone however it went, so it never outlives it. Ctrl-C and SIGTERM, which
 reach a terminal's whole process group, are the proxy's to act on; it writes what is pending, then closes
@@ -69,7 +69,8 @@ class Writer:
     def handle(self, request: tuple[Any, ...]) -> Any:
         kind, *args = request
         if kind == "write":
-            return self.write(*args)
+            chunks, now, retention = args
+            return self.write([row for chunk in chunks for row in pickle.loads(chunk)], now, retention)
         if kind == "read":
             return self.read(*args)
         if kind == "open":

@@ -4,6 +4,7 @@ report's queries and the fleet's hourly encoding."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -16,9 +17,11 @@ from pathlib import Path
 import pytest
 
 from proxy.errors import AdminError
+from proxy.http.heap import YOUNG_PASS_AFTER
+from proxy.ledger import store
 from proxy.ledger.fleet import FleetUsage, usage_key
 from proxy.ledger.report import answer, parse_query, queue_median_sql, totals_sql
-from proxy.ledger.store import COLUMNS, Ledger, LedgerRow
+from proxy.ledger.store import _PACK_EVERY, COLUMNS, Ledger, LedgerRow
 from proxy.ledger.writer import create, read_frame, write_frame
 
 NOW_MS = 1_800_000_123_456
@@ -165,6 +168,57 @@ async def test_a_batch_of_any_size_is_written_whole_in_order(tmp_path: Path) -> 
         ledger.record(entry)
     await ledger.close()
     assert [tuple(r.values()) for r in table(path)] == [tuple(entry) for entry in written]
+
+
+async def test_rows_waiting_for_their_write_are_packed_and_start_no_young_collections(tmp_path: Path) -> None:
+    """A busy second's rows wait as pickled chunks, not as objects: rows made as the relay makes them, four
+    times the collector's young threshold of them, start at most one young collection (kept as objects, they
+    started one every ``YOUNG_PASS_AFTER`` rows); every row is written whole and in order across the chunks'
+    edges."""
+    path = tmp_path / "ledger.sqlite"
+    ledger = Ledger(path, retention=86400)
+    await ledger.start()
+    count = 4 * YOUNG_PASS_AFTER + 7
+    values = [tuple(row(ended_at=NOW_MS + n, queue_ms=n, conversation=f"c{n}")) for n in range(count)]
+    collections: list[int] = []
+
+    def note(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    thresholds = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(YOUNG_PASS_AFTER, *thresholds[1:])
+    gc.callbacks.append(note)
+    try:
+        for fields in values:
+            ledger.record(tuple.__new__(LedgerRow, fields))  # as ``Account.row`` makes it
+    finally:
+        gc.callbacks.remove(note)
+        gc.set_threshold(*thresholds)
+    assert len(collections) <= 1
+    assert len(ledger._pending) == count % _PACK_EVERY
+    await ledger.close()
+    assert [tuple(r.values()) for r in table(path)] == values
+
+
+async def test_rows_past_what_may_wait_are_dropped_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """While the writer is behind, rows past ``_MAX_PENDING`` are dropped (the newest), counted and said in one
+    line; those kept are written."""
+    monkeypatch.setattr(store, "_MAX_PENDING", 2 * _PACK_EVERY)
+    path = tmp_path / "ledger.sqlite"
+    ledger = Ledger(path, retention=86400)
+    await ledger.start()
+    with caplog.at_level(logging.ERROR, logger="slotproxy.ledger"):
+        for n in range(3 * _PACK_EVERY):
+            ledger.record(row(ended_at=NOW_MS + n))
+    assert ledger.dropped == _PACK_EVERY
+    assert [r.getMessage() for r in caplog.records] == [
+        (f"the ledger at {path} could not be written (the writer is behind): {_PACK_EVERY} row(s) dropped so far; "
+         "requests are served as usual")]
+    await ledger.close()
+    assert [r["ended_at"] for r in table(path)] == [NOW_MS + n for n in range(2 * _PACK_EVERY)]
 
 
 def writer_pid(ledger: Ledger) -> int:
