@@ -72,8 +72,9 @@ class Backend(Protocol):
         and admission is looked at again at once (with Redis: one script for them all)."""
 
     def report_window_hit(self, provider: str, key: str | None, group: str | None, window: str,
-                          until: float) -> None:
-        """A 429 named this window of (key, group): empty it until ``until``; no backoff, no reduction."""
+                          until: float, then: float = 0.0) -> None:
+        """A 429 named this window of (key, group): empty it until ``until``, when it holds ``then`` (what the
+        provider said it will have, ``limiter.window.FULL`` for all of it); no backoff, no reduction."""
 
     def report_window_limits(self, provider: str, key: str | None, group: str | None,
                              limits: Mapping[str, int]) -> None:

@@ -149,10 +149,10 @@ class MemoryBackend:
             windows.recost(group)
 
     def report_window_hit(self, provider: str, key: str | None, group: str | None, window: str,
-                          until: float) -> None:
+                          until: float, then: float = 0.0) -> None:
         windows = self._windows(provider)
         if windows is not None:
-            windows.report_window_hit(key, group, window, until)
+            windows.report_window_hit(key, group, window, until, then)
 
     def report_window_limits(self, provider: str, key: str | None, group: str | None,
                              limits: Mapping[str, int]) -> None:

@@ -425,7 +425,7 @@ class Exchange:
         if windowing is None or isinstance(lease, _NoSlot):
             return None
         window = windowing.hit(self.state.backend, lease.key, self.group, upstream.status, upstream.headers,
-                               body, backoff.wait)
+                               body, backoff.wait, lease.cost)
         if window is None:
             return None
         if retry_allowed and not windowing.beyond(self.state.backend, lease, window):

@@ -493,8 +493,10 @@ class SocketRelay:
         if windowing is None:
             return False
         headers = document.get("headers")
-        return windowing.hit(self.state.backend, self.key, self.in_flight[0].group, backoff.status,
-                             headers if isinstance(headers, dict) else {}, data, backoff.wait) is not None
+        first = self.in_flight[0]
+        return windowing.hit(self.state.backend, self.key, first.group, backoff.status,
+                             headers if isinstance(headers, dict) else {}, data, backoff.wait,
+                             first.lease.cost) is not None
 
     def _report(self, backoff: Backoff, sent_at: float) -> float:
         """Report a backoff to what was sent at ``sent_at`` (the same-burst rule); returns the pause it calls

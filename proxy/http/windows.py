@@ -16,7 +16,7 @@ from typing import Any
 from ..backends import Backend
 from ..config.windows import DIALECT_WINDOWS
 from ..limiter import SlotLease, policy
-from ..limiter.window import OTHER_GROUP
+from ..limiter.window import FULL, OTHER_GROUP
 from ..providers.budgets import header_count
 from ..providers.estimate import Estimate, Estimator, RequestBody, actual_for
 from ..providers.model_name import request_model
@@ -163,19 +163,21 @@ class Windowing:
             backend.report_window_limits(self.provider, key, group, limits)
 
     def hit(self, backend: Backend, key: str | None, group: str, status: int, headers: Mapping[str, str],
-            body: bytes | str | None, wait: float | None) -> str | None:
+            body: bytes | str | None, wait: float | None, cost: Mapping[str, float] | None = None) -> str | None:
         """The window a 429 names, emptied until the stated wait (else its reset) and the group's ratio
-        raised; None when it names no window (the usual backoff rules apply)."""
+        raised; None when it names no window (the usual backoff rules apply). At the wait the window has room
+        for what the refused request was charged (``cost``: the provider said it may be sent again then); at
+        the reset it is full again (both providers' reset is when the window is whole)."""
         window = window_hit(self.dialect, status, headers, body)
         if window is None:
             return None
         now = time.time()
         if wait is not None:
-            until = now + wait
+            until, then = now + wait, (cost or {}).get(window, 0.0)
         else:
             reset = window_remaining(self.dialect, headers, now).get(window, (0.0, None))[1]
-            until = reset if reset is not None else now
-        backend.report_window_hit(self.provider, key, group, window, until)
+            until, then = (reset, FULL) if reset is not None else (now, 0.0)
+        backend.report_window_hit(self.provider, key, group, window, until, then)
         self.estimator.raise_ratio(key, group)
         self._moved(backend, group)
         return window

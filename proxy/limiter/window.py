@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 __all__ = [
+    "FULL",
     "MAX_GROUPS",
     "OTHER_GROUP",
     "ROUNDED_REMAINING",
@@ -42,6 +43,9 @@ over-estimate and charge an under-estimate; OpenAI's tokens_per_minute only char
 ROUNDED_REMAINING: Mapping[str, float] = {"input_tokens_per_minute": 500.0, "output_tokens_per_minute": 500.0}
 """Half the rounding of each window's announced ``-remaining``: Anthropic, whose windows these are, rounds them
 to the nearest thousand (its request count and OpenAI's counts are exact)."""
+
+FULL = math.inf
+"""What a window holds at its reset, for a window hit (``Bucket.empty_until``): all of its capacity."""
 
 OTHER_GROUP = "other"
 """The group of a request that names no model."""
@@ -95,11 +99,13 @@ class WindowSettings:
 
 
 class Bucket:
-    """One window. The level is kept as of ``_at``; before ``_at`` (a window hit) it does not refill."""
+    """One window. The level is kept as of ``_at``; before ``_at`` (a window hit's time) the window is empty and
+    ``_level`` is what it will hold at ``_at``."""
 
-    __slots__ = ("_at", "_level", "_recent", "capacity", "rate")
+    __slots__ = ("_at", "_level", "_recent", "capacity", "limit", "rate")
 
     def __init__(self, limit: float, now: float, headroom: float = 0.0) -> None:
+        self.limit = limit
         self.capacity = _capacity(limit, headroom)
         self.rate = self.capacity / _REFILL_SECONDS
         self._level = self.capacity
@@ -108,7 +114,9 @@ class Bucket:
 
     def level(self, now: float) -> float:
         elapsed = now - self._at
-        if elapsed <= 0:
+        if elapsed < 0:  # before a window hit's time: nothing (``_level`` is what there will be then)
+            return min(self._level, 0.0)
+        if elapsed == 0:
             return self._level
         return min(self.capacity, self._level + self.rate * elapsed)
 
@@ -156,18 +164,30 @@ class Bucket:
             return start - now
         return start - now + missing / self.rate
 
-    def empty_until(self, until: float, now: float) -> None:
-        """A window hit: nothing left, and no refill before ``until``."""
+    def empty_until(self, until: float, now: float, then: float = 0.0) -> None:
+        """A window hit: nothing left before ``until``, and ``then`` at ``until`` (what the provider said there
+        will be: room for the refused request after its Retry-After, a full window at its reset; at most the
+        capacity), refilling from there. Without ``then`` it refills from empty. A later time an earlier hit
+        set is kept, with at most this room."""
         self._sync(now)
-        self._level = min(self._level, 0.0)
-        self._at = max(self._at, until, now)
+        room = min(then, self.capacity) if then > 0 and until > now else 0.0
+        if self._at > until:
+            self._level = min(self._level, room)
+            return
+        self._level = room if room > 0 else min(self._level, 0.0)
+        self._at = max(until, now)
 
     def correct(self, remaining: float, now: float, slack: float = 0.0) -> None:
         """The provider's word on what is left (already less what was sent since it said so): only lowers.
 
         ``slack`` is half the rounding of an announced count: only a level beyond what the announcement can
-        stand for is corrected, and then to the least it can stand for (an estimate errs toward holding)."""
+        stand for is corrected, and then to the least it can stand for (an estimate errs toward holding).
+        The provider counts what is left of its whole limit: the headroom (``limit - capacity``) is left to
+        others from that too, or a window run low would be corrected into it."""
         self._sync(now)
+        remaining -= self.limit - self.capacity
+        if self._at > now:  # after a window hit: ``_level`` is the level at ``_at``, refilled from now to then
+            remaining += self.rate * (self._at - now)
         if self._level > remaining + slack:
             self._level = remaining - slack
 
@@ -186,6 +206,7 @@ class Bucket:
         empty when the limit falls (a debt stays as it is) and never above the new capacity."""
         self._sync(now)
         capacity = _capacity(limit, headroom)
+        self.limit = limit
         if capacity == self.capacity:
             return
         self._level = max(self._level + capacity - self.capacity, min(self._level, 0.0))
@@ -424,14 +445,15 @@ class WindowBook:
             return True
         return False
 
-    def hit(self, key: str | None, group: str, window: str, until: float, now: float) -> None:
-        """A 429 named this window: it is counted, and empty until ``until``."""
+    def hit(self, key: str | None, group: str, window: str, until: float, now: float, then: float = 0.0) -> None:
+        """A 429 named this window: it is counted, and empty until ``until``, when it holds ``then``
+        (``Bucket.empty_until``)."""
         wid = (key, group, window)
         entry = self._window(key, group, window, now)
         self._hits[wid] = hits = self._hits.get(wid, 0) + 1
         if entry is not None:
             entry.hits = hits
-            entry.bucket.empty_until(until, now)
+            entry.bucket.empty_until(until, now, then)
 
     def correct_all(self, key: str | None, group: str, remaining: Mapping[str, float], now: float,
                     answered_at: float) -> None:

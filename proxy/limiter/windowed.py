@@ -172,9 +172,11 @@ class ProviderWindows:
         if room:
             self._on_room()
 
-    def report_window_hit(self, key: str | None, group: str | None, window: str, until: float) -> None:
-        """A 429 named this window: it is emptied until ``until``; the slots' limit is not touched."""
-        self.book.hit(key, group or OTHER_GROUP, window, until, self._clock.time())
+    def report_window_hit(self, key: str | None, group: str | None, window: str, until: float,
+                          then: float = 0.0) -> None:
+        """A 429 named this window: it is emptied until ``until``, when it holds ``then``; the slots' limit is
+        not touched."""
+        self.book.hit(key, group or OTHER_GROUP, window, until, self._clock.time(), then)
 
     def report_window_limits(self, key: str | None, group: str | None, limits: Mapping[str, int]) -> None:
         """The limits an answer's headers announced for the windows of (key, group) (with ``learn``)."""

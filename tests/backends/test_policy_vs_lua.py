@@ -553,13 +553,14 @@ _BUCKET_DRIVER = r"""
 -- the level then (and for 'wait', the wait in ms first), as %.17g text.
 local ops = cjson.decode(ARGV[1])
 local cap = capacity(tonumber(ARGV[2]), tonumber(ARGV[3]))
-local b = {hash = BASE .. 'w:probe', wid = 'probe', name = 'probe', cap = cap, level = cap, at = tonumber(ARGV[4])}
+local b = {hash = BASE .. 'w:probe', wid = 'probe', name = 'probe', cap = cap, level = cap, at = tonumber(ARGV[4]),
+  limit = tonumber(ARGV[2])}
 local out = {}
 for _, op in ipairs(ops) do
   local kind, now, x, y = op[1], op[2], op[3], op[4]
   if kind == 'take' then bucket_take(b, x, now)
   elseif kind == 'give' then bucket_give(b, x, now)
-  elseif kind == 'empty_until' then bucket_empty_until(b, x, now)
+  elseif kind == 'empty_until' then bucket_empty_until(b, x, now, y)
   elseif kind == 'correct' then bucket_correct(b, x - bucket_taken_since(b, y), op[5], now)
   elseif kind == 'set_limit' then bucket_set_limit(b, x, y, now)
   elseif kind == 'wait' then table.insert(out, f17(bucket_wait(b, x, now))) end
@@ -586,6 +587,9 @@ _BUCKET_OPS: list[tuple[Any, ...]] = [
     ("correct", 23.875, 400.0, 23.5, 30.0), ("set_limit", 24.0, 1200.0, 0.05), ("wait", 24.0, 700.0),
     ("empty_until", 25.0, 40.0), ("wait", 30.0, 10.0), ("take", 41.0, 2000.0), ("set_limit", 42.0, 300.0, 0.0),
     ("wait", 42.0, 299.0), ("give", 200.0, 10.0), ("take", 200.125, 0.1), ("wait", 200.125, 600.0),
+    ("empty_until", 201.0, 230.0, 250.0), ("wait", 205.0, 1.0), ("wait", 205.0, 260.0), ("take", 206.0, 0.5),
+    ("correct", 210.0, 20.0, 209.0, 0.0), ("wait", 211.0, 100.0), ("empty_until", 212.0, 220.0, 1e300),
+    ("wait", 231.0, 300.0), ("empty_until", 240.0, 250.0, 1e300), ("wait", 241.0, 300.0), ("take", 250.0, 300.0),
 ]
 
 
@@ -602,7 +606,7 @@ def _python_bucket(ops: list[tuple[Any, ...]], limit: float, headroom: float) ->
         elif kind == "give":
             bucket.give(rest[0], now)
         elif kind == "empty_until":
-            bucket.empty_until(T0 + rest[0], now)
+            bucket.empty_until(T0 + rest[0], now, *rest[1:])
         elif kind == "correct":
             bucket.correct(rest[0] - bucket.taken_since(T0 + rest[1]), now, rest[2])
         elif kind == "set_limit":

@@ -134,6 +134,22 @@ async def test_a_window_429_is_retried_once_the_window_has_room(start_upstream, 
     assert proxy.status("anthropic")["auto_reduced"] is False
 
 
+async def test_after_a_window_429_the_request_goes_at_the_stated_wait_not_a_refill_after_it(
+        start_upstream, start_proxy, client) -> None:
+    """The fake's 429 says when the refused request fits (Retry-After, 2 s here): the proxy holds it until
+    then and sends it with the room the provider said it will have, not after refilling from empty (its
+    estimate's worth at 1 000 tokens a second: another 4.5 s)."""
+    up = await start_upstream(itpm=60_000, chunks=1, delay_ms=1)
+    proxy = await start_proxy(anthropic_yaml(up, "{input_tokens_per_minute: 60000, learn: false}", retry_on_429=2))
+    await drain(client, up, 59_000)
+    started = time.monotonic()
+    status, _ = await post(client, proxy, messages("z" * 12_000))  # 3 000 tokens as the fake counts them
+    waited = time.monotonic() - started
+    assert status == 200
+    assert upstream_429s(up) == 1
+    assert 1.9 <= waited < 4.5, waited
+
+
 async def test_a_request_larger_than_its_window_is_sent_once_and_its_429_relayed(start_upstream, start_proxy,
                                                                                  client) -> None:
     up = await start_upstream(itpm=3_000, chunks=1, delay_ms=1)

@@ -18,6 +18,7 @@ from proxy.limiter import (
     WindowBook,
     WindowSettings,
 )
+from proxy.limiter.window import FULL
 
 T0 = 1_700_000_000.0
 ITPM = "input_tokens_per_minute"
@@ -113,6 +114,32 @@ def test_empty_until_leaves_nothing_and_no_refill_before_the_time() -> None:
     assert bucket.wait_for(10, T0) == pytest.approx(21, abs=0.01)
 
 
+def test_a_hit_with_what_the_provider_will_have_is_empty_until_then_and_holds_it_then() -> None:
+    """After a 429's Retry-After the provider has room for the refused request: the window is empty before,
+    holds that much at the time, and refills from there (not from empty, a refill's minute later)."""
+    bucket = Bucket(600, T0)
+    bucket.take(550, T0)
+    bucket.empty_until(T0 + 20, T0, then=300)
+    assert bucket.level(T0 + 19.9) == 0
+    assert bucket.wait_for(1, T0) == pytest.approx(20, abs=0.01)
+    assert bucket.wait_for(300, T0 + 5) == pytest.approx(15, abs=0.01)
+    assert bucket.level(T0 + 20) == 300
+    assert bucket.level(T0 + 25) == pytest.approx(350)
+    bucket.empty_until(T0 + 30, T0 + 25, then=10_000)
+    assert bucket.level(T0 + 30) == 600, "at most the capacity"
+
+
+def test_a_later_hit_time_is_kept_and_an_answer_during_it_lowers_what_it_holds_then() -> None:
+    bucket = Bucket(600, T0)
+    bucket.empty_until(T0 + 30, T0, then=500)
+    bucket.empty_until(T0 + 10, T0 + 1, then=200)
+    assert bucket.level(T0 + 29) == 0 and bucket.level(T0 + 30) == 200
+    bucket.correct(50, T0 + 20)
+    assert bucket.level(T0 + 30) == pytest.approx(150), "50 left at 20 s, and ten seconds' refill by 30 s"
+    bucket.correct(500, T0 + 20)
+    assert bucket.level(T0 + 30) == pytest.approx(150), "only lowers"
+
+
 def test_correct_only_lowers() -> None:
     bucket = Bucket(600, T0)
     bucket.take(100, T0)
@@ -120,6 +147,18 @@ def test_correct_only_lowers() -> None:
     assert bucket.level(T0) == 500
     bucket.correct(200, T0)
     assert bucket.level(T0) == 200
+
+
+def test_the_provider_s_count_is_of_its_whole_limit_so_the_headroom_comes_off_it() -> None:
+    """With 10 % headroom the bucket holds 900 of a 1 000 limit; an announced 500 left means 400 for this proxy,
+    else a window run low would be corrected into the share left to others."""
+    bucket = Bucket(1000, T0, headroom=0.1)
+    assert bucket.level(T0) == 900
+    bucket.correct(500, T0)
+    assert bucket.level(T0) == pytest.approx(400)
+    bucket.set_limit(2000, 0.1, T0)
+    bucket.correct(500, T0)
+    assert bucket.level(T0) == pytest.approx(300), "the headroom of the limit in force"
 
 
 def test_a_rounded_count_corrects_only_beyond_its_rounding_and_then_to_the_least_it_stands_for() -> None:
@@ -328,6 +367,31 @@ def test_a_window_hit_empties_it_until_the_announced_time_and_leaves_the_limit_a
     status = limiter.statistics()
     assert window_row(limiter, ITPM)["hits"] == 1
     assert (status.limit, status.auto_reduced, status.paused, status.notice) == (10, False, False, None)
+
+
+def test_after_a_hit_s_retry_after_the_refused_request_goes_at_that_time() -> None:
+    limiter, clock = make(WindowSettings(provider={ITPM: 600}))
+    lease = limiter.try_acquire(prio(), cost={ITPM: 500}, group="opus")
+    assert lease is not None
+    windows(limiter).report_window_hit(None, "opus", ITPM, T0 + 30, then=500)
+    lease.release()
+    rec = Recorder(limiter)
+    rec.enqueue("again", {ITPM: 500})
+    clock.advance(29.9)
+    assert rec.order == []
+    clock.advance(0.2)
+    assert rec.order == ["again"], "at the Retry-After, not a refill of 500 tokens (50 s) after it"
+
+
+def test_after_a_hit_s_reset_the_window_is_whole_again() -> None:
+    limiter, clock = make(WindowSettings(provider={ITPM: 600}))
+    windows(limiter).report_window_hit(None, "opus", ITPM, T0 + 30, then=FULL)
+    rec = Recorder(limiter)
+    rec.enqueue("whole", {ITPM: 600})
+    clock.advance(29.9)
+    assert rec.order == []
+    clock.advance(0.2)
+    assert rec.order == ["whole"]
 
 
 def test_the_provider_s_remaining_corrects_downward_less_what_was_sent_since() -> None:

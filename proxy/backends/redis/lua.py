@@ -456,14 +456,14 @@ return tostring(next_event(now))
 """
 
 WINDOW_HIT = PRELUDE + r"""
--- ARGV: key ('' = the provider's own), group, window, until (ms). A 429 named this window: counted, and
--- empty until then (WindowBook.hit); the slots' limit is not touched.
+-- ARGV: key ('' = the provider's own), group, window, until (ms), what it holds then. A 429 named this
+-- window: counted, and empty until then (WindowBook.hit); the slots' limit is not touched.
 local now = now_ms()
 if layout().win == nil then return 0 end
 redis.call('HINCRBY', BASE .. 'whits', ARGV[1] .. '\n' .. ARGV[2] .. '\n' .. ARGV[3], 1)
 local b = window_of(ARGV[1], ARGV[2], ARGV[3], now)
 if b then
-  bucket_empty_until(b, tonumber(ARGV[4]), now)
+  bucket_empty_until(b, tonumber(ARGV[4]), now, tonumber(ARGV[5]))
   bucket_save(b)
 end
 return 1

@@ -5,7 +5,7 @@ costs in one atomic step. Part of the prelude every script starts with.
 Keys, under the provider's hash tag (``BASE``):
 
 - ``w:<key>\\n<group>\\n<window>``: one bucket (hash: ``cap``, ``level`` as of ``at`` (ms; before ``at``, a
-  window hit, it does not refill), ``limit`` and ``source`` in force, ``reserved``, ``held`` (requests that
+  window hit's time, it is empty and ``level`` is what it holds at ``at``), ``limit`` and ``source`` in force, ``reserved``, ``held`` (requests that
   waited on it), ``takes``); ``...:r`` the amounts it took over the last two minutes (zset by time), for
   ``correct``. ``<key>`` is the pool key, or empty for the provider itself.
 - ``wpairs``: the (key, group) pairs that have buckets, scored by last use (``wuse`` counts uses); beyond
@@ -35,16 +35,18 @@ local function bucket_hash(wid) return BASE .. 'w:' .. wid end
 
 local function bucket_read(wid, name)
   local hash = bucket_hash(wid)
-  local v = redis.call('HMGET', hash, 'cap', 'level', 'at')
+  local v = redis.call('HMGET', hash, 'cap', 'level', 'at', 'limit')
   if not v[1] then return nil end
-  return {hash = hash, wid = wid, name = name, cap = tonumber(v[1]), level = tonumber(v[2]), at = tonumber(v[3])}
+  return {hash = hash, wid = wid, name = name, cap = tonumber(v[1]), level = tonumber(v[2]), at = tonumber(v[3]),
+    limit = tonumber(v[4])}
 end
 
 local function bucket_rate(b) return b.cap / REFILL_MS end
 
 local function bucket_level(b, now)
   local elapsed = now - b.at
-  if elapsed <= 0 then return b.level end
+  if elapsed < 0 then return math.min(b.level, 0) end
+  if elapsed == 0 then return b.level end
   return math.min(b.cap, b.level + bucket_rate(b) * elapsed)
 end
 
@@ -82,14 +84,24 @@ local function bucket_give(b, amount, now)
   b.level = math.min(b.cap, b.level + amount)
 end
 
-local function bucket_empty_until(b, untl, now)
+-- Bucket.empty_until: nothing before untl, then (at most the capacity) at untl; a later hit's time is kept.
+local function bucket_empty_until(b, untl, now, then_)
   bucket_sync(b, now)
-  b.level = math.min(b.level, 0)
-  b.at = math.max(b.at, untl, now)
+  local room = 0
+  if then_ and then_ > 0 and untl > now then room = math.min(then_, b.cap) end
+  if b.at > untl then
+    b.level = math.min(b.level, room)
+    return
+  end
+  if room > 0 then b.level = room else b.level = math.min(b.level, 0) end
+  b.at = math.max(untl, now)
 end
 
+-- Bucket.correct: the provider's count is of its whole limit, so the headroom (limit - cap) comes off it too.
 local function bucket_correct(b, remaining, slack, now)
   bucket_sync(b, now)
+  remaining = remaining - ((b.limit or b.cap) - b.cap)
+  if b.at > now then remaining = remaining + bucket_rate(b) * (b.at - now) end
   if b.level > remaining + slack then b.level = remaining - slack end
 end
 
@@ -107,6 +119,7 @@ local function capacity(limit, headroom) return limit * (1.0 - headroom) end
 local function bucket_set_limit(b, limit, headroom, now)
   bucket_sync(b, now)
   local cap = capacity(limit, headroom)
+  b.limit = limit
   if cap == b.cap then return false end
   b.level = math.max(b.level + cap - b.cap, math.min(b.level, 0))
   b.cap = cap
@@ -142,7 +155,7 @@ local function bucket_new(wid, name, entry, now)
   local cap = capacity(entry[1], win_settings().h or 0)
   redis.call('HSET', bucket_hash(wid), 'cap', f17(cap), 'level', f17(cap), 'at', f17(now), 'limit', entry[1],
     'source', entry[2], 'reserved', 0, 'held', 0, 'takes', 0)
-  return {hash = bucket_hash(wid), wid = wid, name = name, cap = cap, level = cap, at = now}
+  return {hash = bucket_hash(wid), wid = wid, name = name, cap = cap, level = cap, at = now, limit = entry[1]}
 end
 
 local function pair_buckets(pid)

@@ -16,6 +16,9 @@ from .leases import RedisLease, SlotKeeper
 
 __all__ = ["WindowKeeper"]
 
+_FULL_IN_LUA = 1e300
+"""``window.FULL`` as the scripts read it (a number; the bucket takes at most its capacity)."""
+
 
 class WindowKeeper(SlotKeeper):
     """The window reports of the ``Backend`` interface on Redis. Each provider's limits in force are
@@ -76,11 +79,12 @@ class WindowKeeper(SlotKeeper):
                        self._dispatch_at(provider))
 
     def report_window_hit(self, provider: str, key: str | None, group: str | None, window: str,
-                          until: float) -> None:
+                          until: float, then: float = 0.0) -> None:
         if self._windowed(provider):
-            self._send("WINDOW_HIT", provider, (key or "", group or OTHER_GROUP, window, int(until * 1000)))
+            self._send("WINDOW_HIT", provider, (key or "", group or OTHER_GROUP, window, int(until * 1000),
+                                                repr(min(then, _FULL_IN_LUA))))
             if not self.healthy:
-                self._local.report_window_hit(provider, key, group, window, until)
+                self._local.report_window_hit(provider, key, group, window, until, then)
 
     def report_window_limits(self, provider: str, key: str | None, group: str | None,
                              limits: Mapping[str, int]) -> None:

@@ -24,8 +24,9 @@ agents then get 429s and back off as the SDKs do (honouring ``retry-after-ms``).
 
 ``--windows [N]`` adds a per-minute token window: the fake enforces OpenAI's
 tokens-per-minute bucket of N tokens (``fake-upstream --tpm N``), the proxy has
-it configured (``windows: {tokens_per_minute: N}``) and holds requests until the
-window has room, and each request carries ~500 tokens of context. The window
+it configured (``windows: {tokens_per_minute: N, headroom: 0.02}``: the headroom the
+configuration guide advises, for the moment between the proxy's grant and the
+provider's count) and holds requests until the window has room, and each request carries ~500 tokens of context. The window
 starts full (a minute's worth), so the fleet runs at full speed until it has
 spent it, then is held to the refill. When the demo ends, requests still held
 are abandoned (they would wait for the window), not drained.
@@ -58,6 +59,7 @@ DRAIN_TIMEOUT = 10.0  # after the deadline, how long requests already sent may t
 
 
 DEFAULT_WINDOW = 30_000  # tokens per minute: about a request a second once the first minute's worth is spent
+WINDOW_HEADROOM = 0.02  # docs/configuration.md: "to absorb the moment between the proxy's grant and the provider's count"
 WINDOW_DRAIN = 1.0  # with a window, how long the answers streaming at the deadline get; held ones are abandoned
 
 
@@ -71,7 +73,7 @@ def proxy_yaml(upstream_port: int, cap: int, windows: int | None = None) -> str:
         f"    limit: {cap}\n"
     )
     if windows is not None:
-        text += f"    windows: {{tokens_per_minute: {windows}}}\n"
+        text += f"    windows: {{tokens_per_minute: {windows}, headroom: {WINDOW_HEADROOM}}}\n"
     return text
 
 
