@@ -12,9 +12,11 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
     model_serializer,
-    model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from ..limiter.window import WINDOW_NAMES
 from .types import Headroom, WindowLimit
@@ -61,15 +63,16 @@ class _Windows(BaseModel):
 class WindowLimits(_Windows):
     """A model pattern's or a pool key's windows: each one written overrides the provider's."""
 
-    @model_validator(mode="before")
+    # learn and headroom are refused here, each as a field of its own (left out of the schema and of dumps),
+    # so that check names them beside every other problem of the block.
+    learn: SkipJsonSchema[Any] = Field(default=None, exclude=True)
+    headroom: SkipJsonSchema[Any] = Field(default=None, exclude=True)
+
+    @field_validator("learn", "headroom", mode="before")
     @classmethod
-    def _provider_wide(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in ("learn", "headroom"):
-                if name in data:
-                    raise ValueError(f"{name} is provider-wide: set it in the provider's own windows: block, "
-                                     "where it applies to every key and model")
-        return data
+    def _provider_wide(cls, value: Any, info: ValidationInfo) -> Any:
+        raise ValueError(f"{info.field_name} is provider-wide: set it in the provider's own windows: block, "
+                         "where it applies to every key and model")
 
 
 class ProviderWindows(_Windows):

@@ -125,10 +125,10 @@ HEADROOM_RULE = "must be the fraction of each window left unused: a number from 
     (provider(models="models: {'o*': {windows: {requests_per_minute: 0}}}"),
      f"providers.p.models.o*.windows.requests_per_minute: {LIMIT_RULE}"),
     (provider(models="models: {'o*': {windows: {learn: false}}}"),
-     ("providers.p.models.o*.windows: learn is provider-wide: set it in the provider's own windows: block, "
+     ("providers.p.models.o*.windows.learn: learn is provider-wide: set it in the provider's own windows: block, "
       "where it applies to every key and model")),
     (provider(keys="keys: [{name: a, api_key_env: A, windows: {headroom: 0.1}}]"),
-     "providers.p.keys[0].windows: headroom is provider-wide: set it in the provider's own windows: block"),
+     "providers.p.keys[0].windows.headroom: headroom is provider-wide: set it in the provider's own windows: block"),
     (provider(keys="keys: [{name: a, api_key_env: A, windows: {output_tokens_per_mintue: 4}}]"),
      "providers.p.keys[0].windows.output_tokens_per_mintue: unknown key (did you mean 'output_tokens_per_minute'?)"),
 ])
@@ -136,6 +136,14 @@ def test_window_mistakes_name_the_key_path_and_the_fix(text: str, message: str) 
     found = problems(text)
     assert any(problem.startswith(message) for problem in found), found
     assert all(re.search(r"\(line \d+\)$", problem) for problem in found), found
+
+
+def test_a_provider_wide_setting_in_a_model_block_is_named_beside_the_block_s_other_mistakes() -> None:
+    found = problems(provider(models="models: {'o*': {windows: {headroom: 0.1, output_tokens_per_minute: 0}}}",
+                              keys="keys: [{name: a, api_key_env: A, windows: {requests_per_minute: x, learn: false}}]"))
+    assert sorted(problem.split(":")[0] for problem in found) == [
+        "providers.p.keys[0].windows.learn", "providers.p.keys[0].windows.requests_per_minute",
+        "providers.p.models.o*.windows.headroom", "providers.p.models.o*.windows.output_tokens_per_minute"], found
 
 
 def test_a_mistake_in_a_pool_key_gets_a_did_you_mean() -> None:
