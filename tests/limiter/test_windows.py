@@ -369,29 +369,20 @@ def test_a_window_hit_empties_it_until_the_announced_time_and_leaves_the_limit_a
     assert (status.limit, status.auto_reduced, status.paused, status.notice) == (10, False, False, None)
 
 
-def test_after_a_hit_s_retry_after_the_refused_request_goes_at_that_time() -> None:
+@pytest.mark.parametrize(("then", "cost", "why"), [
+    (500, 500, "room for the refused request at its Retry-After, not a refill of 500 tokens (50 s) after it"),
+    (FULL, 600, "the whole window at its reset"),
+])
+def test_after_a_hit_the_window_holds_at_the_stated_time_what_the_provider_said(then: float, cost: float,
+                                                                                why: str) -> None:
     limiter, clock = make(WindowSettings(provider={ITPM: 600}))
-    lease = limiter.try_acquire(prio(), cost={ITPM: 500}, group="opus")
-    assert lease is not None
-    windows(limiter).report_window_hit(None, "opus", ITPM, T0 + 30, then=500)
-    lease.release()
+    windows(limiter).report_window_hit(None, "opus", ITPM, T0 + 30, then=then)
     rec = Recorder(limiter)
-    rec.enqueue("again", {ITPM: 500})
+    rec.enqueue("next", {ITPM: cost})
     clock.advance(29.9)
     assert rec.order == []
     clock.advance(0.2)
-    assert rec.order == ["again"], "at the Retry-After, not a refill of 500 tokens (50 s) after it"
-
-
-def test_after_a_hit_s_reset_the_window_is_whole_again() -> None:
-    limiter, clock = make(WindowSettings(provider={ITPM: 600}))
-    windows(limiter).report_window_hit(None, "opus", ITPM, T0 + 30, then=FULL)
-    rec = Recorder(limiter)
-    rec.enqueue("whole", {ITPM: 600})
-    clock.advance(29.9)
-    assert rec.order == []
-    clock.advance(0.2)
-    assert rec.order == ["whole"]
+    assert rec.order == ["next"], why
 
 
 def test_the_provider_s_remaining_corrects_downward_less_what_was_sent_since() -> None:
