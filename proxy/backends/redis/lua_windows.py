@@ -6,8 +6,9 @@ Keys, under the provider's hash tag (``BASE``):
 
 - ``w:<key>\\n<group>\\n<window>``: one bucket (hash: ``cap``, ``level`` as of ``at`` (ms; before ``at``, a
   window hit's time, it is empty and ``level`` is what it holds at ``at``), ``limit`` and ``source`` in
-  force, ``reserved``, ``held`` (requests that waited on it), ``takes``); ``...:r`` the amounts it took over the last two minutes (zset by time), for
-  ``correct``. ``<key>`` is the pool key, or empty for the provider itself.
+  force, ``reserved``, ``held`` (requests that waited on it), ``takes``); ``...:r`` the amounts it took over
+  the last two minutes (zset by time), for ``correct``. ``<key>`` is the pool key, or empty for the provider
+  itself.
 - ``wpairs``: the (key, group) pairs that have buckets, scored by last use (``wuse`` counts uses); beyond
   ``MAX_GROUPS`` an idle pair is forgotten first, as in memory.
 - ``wlearn``: limits learned from answers, ``whits``: window 429s, both by bucket id.
