@@ -65,6 +65,11 @@ PRIOR_OUTPUT = 1024
 RECENT = 50
 MAX_RATIO = 4.0
 """A reported ratio above this (a tiny body, a hidden system prompt) is taken as this."""
+RATIO_MIN_BYTES = 2048
+"""Bodies smaller than this teach no ratio: their JSON around the text (model, roles, settings) is much of
+their bytes and counts no token, so a probe's "hi" (0.01 tokens a byte) would have the next long prompt
+estimated at a twentieth of its tokens. Until a body this large is answered the prior stands (leaning high,
+as a small request costs little)."""
 RAISE_BY = 1.25
 MAX_RAISE = 2.0
 RAISE_KEPT = 0.9
@@ -272,7 +277,7 @@ class Estimator:
         if estimate.images:
             text = estimate.input_bytes * (stats.ratios.p90 or PRIOR_RATIO) + estimate.carried
             stats.images.add(max(0.0, input_tokens - text) / estimate.images)
-        elif estimate.input_bytes > 0 and not estimate.carried and input_tokens > 0:
+        elif estimate.input_bytes >= RATIO_MIN_BYTES and not estimate.carried and input_tokens > 0:
             ratio = input_tokens / estimate.input_bytes
             stats.ratios.add(ratio if ratio < MAX_RATIO else MAX_RATIO)  # noqa: FURB136 - min, without the call
         stats.outputs.add(float(output_tokens))

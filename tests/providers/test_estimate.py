@@ -12,6 +12,8 @@ from proxy.http.windows import parsed_request
 from proxy.providers.estimate import (
     INPUT_WINDOW,
     OUTPUT_WINDOW,
+    PRIOR_RATIO,
+    RATIO_MIN_BYTES,
     REQUESTS_WINDOW,
     TOKENS_WINDOW,
     Estimate,
@@ -121,10 +123,25 @@ def test_a_window_hit_raises_the_ratio_boundedly_and_it_eases_back() -> None:
     assert estimator.status("team-a", "g")["ratio"] == pytest.approx(0.30, rel=0.02)
 
 
+def test_a_small_body_teaches_no_ratio_and_the_next_long_prompt_is_estimated_from_the_prior() -> None:
+    """A probe's "hi" is mostly JSON that counts no token: learned, it would have a long prompt estimated at a
+    fraction of its tokens; its output still counts."""
+    estimator = Estimator()
+    probe = body([{"role": "user", "content": "hi"}], max_tokens=16)
+    assert len(probe) < RATIO_MIN_BYTES
+    for _ in range(5):
+        answer(estimator, estimate(estimator, probe), input_tokens=8, output_tokens=3)
+    assert estimator.status("team-a", "claude-sonnet-*")["ratio"] == PRIOR_RATIO
+    long = body([{"role": "user", "content": "x" * 16_000}])
+    assert estimate(estimator, long).input == pytest.approx(len(long) * PRIOR_RATIO)
+    answer(estimator, estimate(estimator, long), input_tokens=4000)
+    assert estimator.status("team-a", "claude-sonnet-*")["ratio"] == pytest.approx(4000 / len(long))
+
+
 def test_estimate_errors_per_window_and_of_the_input() -> None:
     estimator = Estimator()
-    made = estimate(estimator, b"x" * 1000, windows=(INPUT_WINDOW, OUTPUT_WINDOW), request={"max_tokens": 400})
-    answer(estimator, made, input_tokens=450, output_tokens=100)
+    made = estimate(estimator, b"x" * 4000, windows=(INPUT_WINDOW, OUTPUT_WINDOW), request={"max_tokens": 400})
+    answer(estimator, made, input_tokens=1800, output_tokens=100)
     assert estimator.status("team-a", "claude-sonnet-*") == {
         "ratio": pytest.approx(0.45), "estimate_error_p50": pytest.approx(0.5),
         "estimate_error_p90": pytest.approx(0.5)}
@@ -451,12 +468,13 @@ def test_a_group_used_again_is_found_without_a_lookup_and_the_least_recently_use
 
     estimator = Estimator(groups_kept=2)
     estimator._groups = Counted()
-    body = json.dumps({"model": "gpt-m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}).encode()
+    body = json.dumps({"model": "gpt-m", "messages": [{"role": "user", "content": "h" * 4000}],
+                       "max_tokens": 64}).encode()
 
     def answered(group: str) -> None:
         estimate = estimator.estimate(dialect="openai", key=None, group=group, body=body, request=None,
                                       windows=OPENAI, now=0.0)
-        estimator.learn(key=None, group=group, estimate=estimate, input_tokens=10, cached_read=0, output_tokens=5,
+        estimator.learn(key=None, group=group, estimate=estimate, input_tokens=1000, cached_read=0, output_tokens=5,
                         now=1.0)
     answered("a")
     first = Counted.looked_up
@@ -467,4 +485,4 @@ def test_a_group_used_again_is_found_without_a_lookup_and_the_least_recently_use
     answered("a")  # b is now the least recently used
     answered("c")
     assert list(estimator._groups) == ["a", "c"]
-    assert estimator.status(None, "a")["ratio"] == pytest.approx(10 / len(body))
+    assert estimator.status(None, "a")["ratio"] == pytest.approx(1000 / len(body))

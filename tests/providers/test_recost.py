@@ -55,7 +55,8 @@ def test_the_drift_forgets_the_least_recently_moved_group_first() -> None:
 def test_the_estimator_reports_the_basis_of_its_estimates() -> None:
     estimator = Estimator()
     assert Basis(*estimator.basis("opus")) == PRIOR == Basis(False, PRIOR_RATIO, None, None)
-    body = b'{"model": "claude-opus-4", "max_tokens": 64000, "messages": [{"role": "user", "content": "hi"}]}'
+    body = (b'{"model": "claude-opus-4", "max_tokens": 64000, "messages": [{"role": "user", "content": "'
+            + b"h" * 4000 + b'"}]}')
     estimate = estimator.estimate(dialect="anthropic", key=None, group="opus", body=body, request=None,
                                   windows=(ITPM, OTPM), now=0.0)
     assert estimate.cost[OTPM] == 64_000, "before any answer: the request's own maximum"
