@@ -63,8 +63,9 @@ class Backend(Protocol):
         """The provider's rate-limit headers on an answer sent with ``key``: a spent window holds the key."""
 
     def settle_windows(self, provider: str, lease: SlotLease, actual: Mapping[str, float],
-                       rules: Mapping[str, str]) -> None:
-        """Reconcile the windows ``lease`` took from with its answer's usage (``window.SETTLE_RULES``)."""
+                       rules: Mapping[str, str], admitted: Mapping[str, float] | None = None) -> None:
+        """Reconcile the windows ``lease`` took from with its answer's usage (``window.SETTLE_RULES``);
+        ``admitted``: what the provider charged each when it admitted the request (``WindowBook.settle``)."""
 
     def recost_windows(self, provider: str, group: str) -> None:
         """The estimates of model ``group`` moved (``providers.recost``): each of its waiters queued in this

@@ -138,10 +138,10 @@ class MemoryBackend:
         return None if limiter is None else limiter.windows
 
     def settle_windows(self, provider: str, lease: SlotLease, actual: Mapping[str, float],
-                       rules: Mapping[str, str]) -> None:
+                       rules: Mapping[str, str], admitted: Mapping[str, float] | None = None) -> None:
         windows = self._windows(provider)
         if windows is not None and isinstance(lease, Lease):
-            windows.settle_windows(lease, actual, rules)
+            windows.settle_windows(lease, actual, rules, admitted)
 
     def recost_windows(self, provider: str, group: str) -> None:
         windows = self._windows(provider)

@@ -18,7 +18,13 @@ from ..config.windows import DIALECT_WINDOWS
 from ..limiter import SlotLease, policy
 from ..limiter.window import FULL, OTHER_GROUP
 from ..providers.budgets import header_count
-from ..providers.estimate import Estimate, Estimator, RequestBody, actual_for
+from ..providers.estimate import (
+    Estimate,
+    Estimator,
+    RequestBody,
+    actual_for,
+    admitted_for,
+)
 from ..providers.model_name import request_model
 from ..providers.recost import Basis, Drift
 from ..providers.tokens import UsageReader
@@ -203,15 +209,17 @@ class Windowing:
         cost = lease.cost
         if cost is not None:  # settled only when it changes something: not a charge_beyond window within its charge
             actual: dict[str, float] = {}
+            admitted: dict[str, float] = {}
             changes = False
             for window, rule in self.rules.items():
                 charged = cost.get(window)
                 if charged is not None:
                     actual[window] = spent = actual_for(self.dialect, window, inputs, cached, written, output)
-                    if rule != "charge_beyond" or spent > charged:
+                    admitted[window] = at_admission = admitted_for(window, inputs, cached, estimate.asked)
+                    if rule != "charge_beyond" or spent > charged or spent > at_admission:
                         changes = True
             if changes:
-                backend.settle_windows(self.provider, lease, actual, self.rules)
+                backend.settle_windows(self.provider, lease, actual, self.rules, admitted)
         self._moved(backend, group)
 
     def status(self, row: dict[str, Any]) -> None:

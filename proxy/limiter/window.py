@@ -177,7 +177,7 @@ class Bucket:
         self._level = room if room > 0 else min(self._level, 0.0)
         self._at = max(until, now)
 
-    def correct(self, remaining: float, now: float, slack: float = 0.0) -> None:
+    def correct(self, remaining: float, now: float, slack: float = 0.0) -> bool:
         """The provider's word on what is left (already less what was sent since it said so): only lowers.
 
         ``slack`` is half the rounding of an announced count: only a level beyond what the announcement can
@@ -190,6 +190,8 @@ class Bucket:
             remaining += self.rate * (self._at - now)
         if self._level > remaining + slack:
             self._level = remaining - slack
+            return True
+        return False
 
     def taken_since(self, since: float) -> float:
         """What was taken after ``since``, read from the newest back: an answer asks about the requests sent
@@ -229,7 +231,7 @@ WindowId = tuple[str | None, str, str]
 class _Window:
     """A bucket with what status and metrics count of it."""
 
-    __slots__ = ("bucket", "held", "hits", "name", "reserved")
+    __slots__ = ("bucket", "held", "hits", "name", "rebased_at", "reserved")
 
     def __init__(self, name: str, bucket: Bucket) -> None:
         self.name = name
@@ -238,6 +240,9 @@ class _Window:
         """Requests that waited on it."""
         self.hits = 0
         self.reserved = 0.0
+        self.rebased_at = -math.inf
+        """When the provider's word last lowered it (``correct_all``): what it said counted the requests granted
+        before then as the provider charges them when it admits them, so they settle against that."""
 
 
 class WindowBook:
@@ -428,8 +433,12 @@ class WindowBook:
     # ----- what the provider said ----------------------------------------------------
 
     def settle(self, key: str | None, group: str, window: str, charged: float, actual: float, rule: str,
-               now: float) -> bool:
-        """Reconcile a window with what the answer reported; True when room was given back."""
+               now: float, *, granted_at: float = -math.inf, admitted: float | None = None) -> bool:
+        """Reconcile a window with what the answer reported; True when room was given back.
+
+        A request granted before the provider's word last lowered the window (``rebased_at``) was counted in
+        it as the provider charges a request it admits (``admitted``, ``estimate.admitted_for``), not as this
+        proxy estimated it: only what the provider charges beyond that, when the answer ends, is taken."""
         if rule not in SETTLE_RULES:
             raise ValueError(f"unknown settle rule {rule!r}: use one of {', '.join(SETTLE_RULES)}")
         for entry in self._known(key, group):
@@ -437,6 +446,8 @@ class WindowBook:
                 break
         else:
             return False
+        if admitted is not None and granted_at <= entry.rebased_at:
+            charged, rule = admitted, "charge_beyond"
         beyond = actual - charged
         if beyond > 0:
             entry.bucket.take(beyond, now)
@@ -472,7 +483,8 @@ class WindowBook:
                 recent = bucket._recent
                 if recent and recent[-1][0] > answered_at:  # sent since it answered
                     announced -= bucket.taken_since(answered_at)
-                bucket.correct(announced, now, slack)
+                if bucket.correct(announced, now, slack) and answered_at > entry.rebased_at:
+                    entry.rebased_at = answered_at
 
     # ----- observing -------------------------------------------------------------
 

@@ -156,9 +156,11 @@ class ProviderWindows:
 
     # ----- what answers say ------------------------------------------------------------
 
-    def settle_windows(self, lease: Lease, actual: Mapping[str, float], rules: Mapping[str, str]) -> None:
+    def settle_windows(self, lease: Lease, actual: Mapping[str, float], rules: Mapping[str, str],
+                       admitted: Mapping[str, float] | None = None) -> None:
         """Reconcile the windows a request took from with the usage its answer reported (once per lease):
-        ``actual`` is what each window counted, ``rules`` how it is reconciled (``window.SETTLE_RULES``).
+        ``actual`` is what each window counted, ``rules`` how it is reconciled (``window.SETTLE_RULES``),
+        ``admitted`` what the provider charged each when it admitted the request (``WindowBook.settle``).
         A window the answer reported nothing for keeps its estimate."""
         cost, group = lease.cost, lease.group
         if cost is None or group is None or lease.windows_settled:
@@ -168,7 +170,9 @@ class ProviderWindows:
         room = False
         for window, charged in cost.items():
             if window in actual and window in rules:
-                room = self.book.settle(lease.key, group, window, charged, actual[window], rules[window], now) or room
+                room = self.book.settle(lease.key, group, window, charged, actual[window], rules[window], now,
+                                        granted_at=lease.granted_at,
+                                        admitted=None if admitted is None else admitted.get(window)) or room
         if room:
             self._on_room()
 

@@ -51,7 +51,7 @@ from typing import Any, cast
 from .request_body import RequestBody, as_parsed, max_output
 
 __all__ = ["INPUT_WINDOW", "OUTPUT_WINDOW", "REQUESTS_WINDOW", "TOKENS_WINDOW", "Estimate", "Estimator", "RequestBody",
-           "actual_for"]
+           "actual_for", "admitted_for"]
 
 INPUT_WINDOW = "input_tokens_per_minute"
 OUTPUT_WINDOW = "output_tokens_per_minute"
@@ -109,6 +109,8 @@ class Estimate:
     images: int = 0
     """Inline images, counted apart: ``input_bytes`` is the body's bytes less their payloads."""
     cache: _CacheNote | None = field(default=None, repr=False, compare=False)
+    asked: int | None = None
+    """The request's own output maximum (None: it named none)."""
 
 
 def actual_for(dialect: str, window: str, input_tokens: int, cached_read: int, cache_write: int,
@@ -123,6 +125,22 @@ def actual_for(dialect: str, window: str, input_tokens: int, cached_read: int, c
         return float(output_tokens)
     if window == TOKENS_WINDOW:
         return float(input_tokens + output_tokens)
+    if window == REQUESTS_WINDOW:
+        return 1.0
+    raise ValueError(_unknown_window(window))
+
+
+def admitted_for(window: str, input_tokens: int, cached_read: int, asked: int | None) -> float:
+    """What the provider charged ``window`` when it admitted the request, from the usage its answer reported:
+    Anthropic's input window the input less the cache reads (it counts the prompt it is sent), its output
+    window nothing yet (the output is charged as it is produced), OpenAI's tokens window the larger of the
+    maximum output asked and the input; a request window, one."""
+    if window == INPUT_WINDOW:
+        return float(max(0, input_tokens - cached_read))
+    if window == OUTPUT_WINDOW:
+        return 0.0
+    if window == TOKENS_WINDOW:
+        return float(max(asked or 0, input_tokens))
     if window == REQUESTS_WINDOW:
         return 1.0
     raise ValueError(_unknown_window(window))
@@ -264,7 +282,7 @@ class Estimator:
                     cost[window] = total_input if total_input > most else most  # noqa: FURB136
             else:
                 cost[window] = 1.0
-        return Estimate(cost, counted, read, total_input, output, dialect, carried, images, note)
+        return Estimate(cost, counted, read, total_input, output, dialect, carried, images, note, asked)
 
     def learn(self, *, key: str | None, group: str, estimate: Estimate, input_tokens: int, cached_read: int,
               output_tokens: int, now: float, cache_write: int | None = None) -> None:

@@ -169,6 +169,33 @@ async def test_what_answers_say_reaches_the_windows(backend) -> None:
     lease.release()
 
 
+async def test_a_request_granted_before_the_provider_lowered_its_window_settles_as_the_provider_charged_it(
+        backend) -> None:
+    """The provider's -remaining counted a request in flight as it charges one it admits (its input; no output
+    yet), not as the proxy estimated it: once that lowered the window, the request's answer gives back no
+    over-estimate of its input, and its output is taken whole."""
+    await setup(backend, WindowSettings(provider={ITPM: 6000, OTPM: 6000}))
+    lease = await backend.acquire("p", prio(), cost={ITPM: 1000, OTPM: 500}, group="opus")
+    backend.report_window_remaining("p", None, "opus", {ITPM: 3000.0, OTPM: 3000.0}, lease.granted_at)
+    before = await rows(backend)  # 3000 announced, rounded to the thousand: 2500 and up
+    assert before[("opus", ITPM)]["available"] in range(2500, 2510) and before[("opus", OTPM)]["available"] in \
+        range(2500, 2510)
+    backend.settle_windows("p", lease, {ITPM: 600.0, OTPM: 300.0}, {ITPM: "give_back", OTPM: "give_back"},
+                           {ITPM: 600.0, OTPM: 0.0})
+    after = await rows(backend)
+    assert after[("opus", ITPM)]["available"] in range(2500, 2515), "no 400 given back: the provider counted 600"
+    assert after[("opus", OTPM)]["available"] in range(2200, 2215), "its 300 output taken, not 200 given back"
+    await asyncio.sleep(0.01)
+    later = await backend.acquire("p", prio(), cost={ITPM: 1000, OTPM: 500}, group="opus")
+    backend.settle_windows("p", later, {ITPM: 600.0, OTPM: 300.0}, {ITPM: "give_back", OTPM: "give_back"},
+                           {ITPM: 600.0, OTPM: 0.0})
+    settled = await rows(backend)
+    assert settled[("opus", ITPM)]["available"] in range(1900, 1920), "granted after: its estimate settles as before"
+    assert settled[("opus", OTPM)]["available"] in range(1900, 1920)
+    lease.release()
+    later.release()
+
+
 # --- two replicas sharing one window -----------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from proxy.providers.estimate import (
     Estimator,
     RequestBody,
     actual_for,
+    admitted_for,
 )
 
 ANTHROPIC = (INPUT_WINDOW, OUTPUT_WINDOW, REQUESTS_WINDOW)
@@ -136,6 +137,17 @@ def test_a_small_body_teaches_no_ratio_and_the_next_long_prompt_is_estimated_fro
     assert estimate(estimator, long).input == pytest.approx(len(long) * PRIOR_RATIO)
     answer(estimator, estimate(estimator, long), input_tokens=4000)
     assert estimator.status("team-a", "claude-sonnet-*")["ratio"] == pytest.approx(4000 / len(long))
+
+
+def test_what_the_provider_charges_when_it_admits_a_request() -> None:
+    """Anthropic counts the prompt it is sent (less cache reads) and the output as it is produced; OpenAI's tokens
+    window the larger of the maximum output asked and the input; a request, one."""
+    assert admitted_for(INPUT_WINDOW, 1000, 600, 4096) == 400
+    assert admitted_for(OUTPUT_WINDOW, 1000, 600, 4096) == 0
+    assert admitted_for(TOKENS_WINDOW, 1000, 0, 4096) == 4096
+    assert admitted_for(TOKENS_WINDOW, 1000, 0, None) == 1000
+    assert admitted_for(REQUESTS_WINDOW, 1000, 0, None) == 1
+    assert estimate(Estimator(), body([], max_tokens=321), windows=OPENAI, dialect="openai").asked == 321
 
 
 def test_estimate_errors_per_window_and_of_the_input() -> None:

@@ -427,21 +427,28 @@ return pool[1]
 """
 
 WINDOW_SETTLE = PRELUDE + r"""
--- ARGV: lease_ttl, channel, key ('' = the provider's own), group, then (window, charged, actual, rule) fours.
--- WindowBook.settle for each: charge what went beyond the estimate; with give_back, give back an over-estimate
--- (then waiters may have room: dispatch).
+-- ARGV: lease_ttl, channel, key ('' = the provider's own), group, granted_at (ms), then (window, charged,
+-- actual, rule, admitted) fives. WindowBook.settle for each: charge what went beyond the estimate; with
+-- give_back, give back an over-estimate (then waiters may have room: dispatch). A lease granted before the
+-- provider's word last lowered the window ('rebased') settles against what the provider charged it when it
+-- admitted it (admitted; '' when unknown), charging only what went beyond that.
 local now = now_ms()
 if layout().win == nil then return 0 end
 local pid = ARGV[3] .. '\n' .. ARGV[4]
+local granted_at = tonumber(ARGV[5])
 local room = false
-for i = 5, #ARGV, 4 do
+for i = 6, #ARGV, 5 do
   local b = bucket_read(pid .. '\n' .. ARGV[i], ARGV[i])
   if b and redis.call('ZSCORE', BASE .. 'wpairs', pid) then
-    local beyond = tonumber(ARGV[i + 2]) - tonumber(ARGV[i + 1])
+    local charged, rule = tonumber(ARGV[i + 1]), ARGV[i + 3]
+    if ARGV[i + 4] ~= '' and granted_at <= (tonumber(redis.call('HGET', b.hash, 'rebased')) or -math.huge) then
+      charged, rule = tonumber(ARGV[i + 4]), 'charge_beyond'
+    end
+    local beyond = tonumber(ARGV[i + 2]) - charged
     if beyond > 0 then
       bucket_take(b, beyond, now)
       bucket_save(b)
-    elseif beyond < 0 and ARGV[i + 3] == 'give_back' then
+    elseif beyond < 0 and rule == 'give_back' then
       bucket_give(b, -beyond, now)
       bucket_save(b)
       room = true
@@ -531,7 +538,10 @@ for i = 4, #ARGV, 3 do
   if b then
     local announced = tonumber(ARGV[i + 1])
     local slack = math.min(tonumber(ARGV[i + 2]), math.max(announced, 0))
-    bucket_correct(b, announced - bucket_taken_since(b, since), slack, now)
+    if bucket_correct(b, announced - bucket_taken_since(b, since), slack, now)
+        and since > (tonumber(redis.call('HGET', b.hash, 'rebased')) or -math.huge) then
+      redis.call('HSET', b.hash, 'rebased', f17(since))
+    end
     bucket_save(b)
   end
 end

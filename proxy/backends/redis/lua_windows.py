@@ -99,11 +99,16 @@ local function bucket_empty_until(b, untl, now, then_)
 end
 
 -- Bucket.correct: the provider's count is of its whole limit, so the headroom (limit - cap) comes off it too.
+-- True when it lowered the level.
 local function bucket_correct(b, remaining, slack, now)
   bucket_sync(b, now)
   remaining = remaining - ((b.limit or b.cap) - b.cap)
   if b.at > now then remaining = remaining + bucket_rate(b) * (b.at - now) end
-  if b.level > remaining + slack then b.level = remaining - slack end
+  if b.level > remaining + slack then
+    b.level = remaining - slack
+    return true
+  end
+  return false
 end
 
 local function bucket_taken_since(b, since)

@@ -44,18 +44,20 @@ class WindowKeeper(SlotKeeper):
         return self._book(provider) is not None
 
     def settle_windows(self, provider: str, lease: SlotLease, actual: Mapping[str, float],
-                       rules: Mapping[str, str]) -> None:
+                       rules: Mapping[str, str], admitted: Mapping[str, float] | None = None) -> None:
         if isinstance(lease, Lease):  # granted by this replica's own limiter while Redis was away
-            self._local.settle_windows(provider, lease, actual, rules)
+            self._local.settle_windows(provider, lease, actual, rules, admitted)
             return
         if not isinstance(lease, RedisLease) or lease.cost is None or lease.group is None or lease.windows_settled:
             return
         lease.windows_settled = True
-        fours = [part for window, charged in lease.cost.items() if window in actual and window in rules
-                 for part in (window, repr(float(charged)), repr(float(actual[window])), rules[window])]
-        if fours:
+        admitted = admitted or {}
+        fives = [part for window, charged in lease.cost.items() if window in actual and window in rules
+                 for part in (window, repr(float(charged)), repr(float(actual[window])), rules[window],
+                              repr(float(admitted[window])) if window in admitted else "")]
+        if fives:
             self._send("WINDOW_SETTLE", provider, (self._lease_ttl_ms, self._channel, lease.key or "", lease.group,
-                                                   *fours), self._dispatch_at(provider))
+                                                   lease.granted_at_ms, *fives), self._dispatch_at(provider))
 
     def recost_windows(self, provider: str, group: str) -> None:
         """Only this replica's own waiters (it knows their ids; each replica's estimator learns from its own
