@@ -241,8 +241,8 @@ class _Window:
         self.hits = 0
         self.reserved = 0.0
         self.rebased_at = -math.inf
-        """When the provider's word last lowered it (``correct_all``): what it said counted the requests granted
-        before then as the provider charges them when it admits them, so they settle against that."""
+        """When the provider's word last lowered it (``correct_all``, ``hit``): what it said counted the requests
+        granted before then as the provider charges them when it admits them, so they settle against that."""
 
 
 class WindowBook:
@@ -458,13 +458,15 @@ class WindowBook:
 
     def hit(self, key: str | None, group: str, window: str, until: float, now: float, then: float = 0.0) -> None:
         """A 429 named this window: it is counted, and empty until ``until``, when it holds ``then``
-        (``Bucket.empty_until``)."""
+        (``Bucket.empty_until``). What the provider said counted the requests it had taken as it charges them:
+        those granted before now settle against that (``rebased_at``)."""
         wid = (key, group, window)
         entry = self._window(key, group, window, now)
         self._hits[wid] = hits = self._hits.get(wid, 0) + 1
         if entry is not None:
             entry.hits = hits
             entry.bucket.empty_until(until, now, then)
+            entry.rebased_at = max(entry.rebased_at, now)
 
     def correct_all(self, key: str | None, group: str, remaining: Mapping[str, float], now: float,
                     answered_at: float) -> None:

@@ -150,6 +150,23 @@ async def test_after_a_window_429_the_request_goes_at_the_stated_wait_not_a_refi
     assert 1.9 <= waited < 4.5, waited
 
 
+async def test_a_window_429_after_an_under_estimate_waits_the_stated_time_not_twice_the_debt(
+        start_upstream, start_proxy, client) -> None:
+    """Two requests the proxy thinks small: the fake takes the first (80 000 tokens) and refuses the second
+    (45 000) for 2.5 s. The first request's usage, settling after that 429, is already in what the fake said:
+    the second goes after about 2.5 s, not after the first's 80 000 refill too (40 s)."""
+    up = await start_upstream(itpm=120_000, chunks=1, delay_ms=300)
+    proxy = await start_proxy(anthropic_yaml(up, "{input_tokens_per_minute: 120000, learn: false}", retry_on_429=2))
+    started = time.monotonic()
+    first = asyncio.create_task(post(client, proxy, messages("a"), **fake_usage(80_000)))
+    await asyncio.sleep(0.05)
+    status, _ = await post(client, proxy, messages("b"), **fake_usage(45_000))
+    waited = time.monotonic() - started
+    assert status == 200 and (await first)[0] == 200
+    assert upstream_429s(up) == 1
+    assert 2.0 <= waited < 8.0, waited
+
+
 async def test_a_request_larger_than_its_window_is_sent_once_and_its_429_relayed(start_upstream, start_proxy,
                                                                                  client) -> None:
     up = await start_upstream(itpm=3_000, chunks=1, delay_ms=1)

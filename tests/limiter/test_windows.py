@@ -385,6 +385,19 @@ def test_after_a_hit_the_window_holds_at_the_stated_time_what_the_provider_said(
     assert rec.order == ["next"], why
 
 
+def test_a_request_granted_before_a_hit_settles_against_what_the_provider_charged_it() -> None:
+    """The 429's wait already counts the request the provider took before it (its whole input, not the
+    proxy's small estimate): its answer settling after the hit takes nothing more from the window."""
+    limiter, clock = make(WindowSettings(provider={ITPM: 6000}))
+    taken = limiter.try_acquire(prio(), cost={ITPM: 100}, group="opus")
+    assert taken is not None
+    clock.advance(0.1)
+    windows(limiter).report_window_hit(None, "opus", ITPM, T0 + 20, then=500)
+    windows(limiter).settle_windows(taken, {ITPM: 4000.0}, {ITPM: "give_back"}, {ITPM: 4000.0})
+    clock.advance(20)
+    assert window_row(limiter, ITPM)["available"] in range(500, 511), "not 500 less the 3 900 the estimate missed"
+
+
 def test_the_provider_s_remaining_corrects_downward_less_what_was_sent_since() -> None:
     limiter, clock = make(WindowSettings(provider={TPM: 600}))
     answered_at = T0

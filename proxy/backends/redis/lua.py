@@ -464,7 +464,8 @@ return tostring(next_event(now))
 
 WINDOW_HIT = PRELUDE + r"""
 -- ARGV: key ('' = the provider's own), group, window, until (ms), what it holds then. A 429 named this
--- window: counted, and empty until then (WindowBook.hit); the slots' limit is not touched.
+-- window: counted, and empty until then (WindowBook.hit), the leases granted before now settling against
+-- what the provider charged them ('rebased'); the slots' limit is not touched.
 local now = now_ms()
 if layout().win == nil then return 0 end
 redis.call('HINCRBY', BASE .. 'whits', ARGV[1] .. '\n' .. ARGV[2] .. '\n' .. ARGV[3], 1)
@@ -472,6 +473,9 @@ local b = window_of(ARGV[1], ARGV[2], ARGV[3], now)
 if b then
   bucket_empty_until(b, tonumber(ARGV[4]), now, tonumber(ARGV[5]))
   bucket_save(b)
+  if now > (tonumber(redis.call('HGET', b.hash, 'rebased')) or -math.huge) then
+    redis.call('HSET', b.hash, 'rebased', f17(now))
+  end
 end
 return 1
 """
