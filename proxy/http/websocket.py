@@ -57,7 +57,7 @@ from .idle import Watch
 from .keys import error_response
 from .runtime import ProxyState
 from .upstreams import expect_upgrade, refused_upgrade_body
-from .windows import EndedResponses, parsed_request
+from .windows import Costing, EndedResponses, parsed_request
 
 if TYPE_CHECKING:
     from ..config import ProviderSettings
@@ -312,26 +312,24 @@ class SocketRelay:
         account = Account(self.provider, "websocket")
         account.priority = priority = self._frame_priority(frame)
         windowing = self.windowing
+        costing: Costing | None = None
         if windowing is None:
             account.model = frame_model(frame) if self.settings.models else model_hint("", frame)
-            costing, group = None, ""
+            group = ""
         else:  # costed again while it waits if its group's estimates move (``providers.recost``)
             account.model, request = parsed_request("", frame)
             group = windowing.group(account.model)
-            costing = windowing.costing(self.state.backend, group, frame, request, key=self.key,
-                                        continuation=self.ended.continued(request))
         if self.state.shutting_down or self.closing_after_responses:
-            if costing is not None:
-                costing.left()
             await self._refuse(client, ShuttingDown("slotproxy is shutting down; retry shortly", retry_after=1.0),
                                account)
             return False
         refusal = self.state.spend_refusal(priority.workspace, self.settings)
         if refusal is not None:
-            if costing is not None:
-                costing.left()
             await self._refuse(client, refusal, account)
             return False
+        if windowing is not None:
+            costing = windowing.costing(self.state.backend, group, frame, request, key=self.key,
+                                        continuation=self.ended.continued(request))
         self.state.request_started()
         asked_at = time.monotonic()
         try:
@@ -339,8 +337,6 @@ class SocketRelay:
                                                      cost=None if costing is None else costing.cost,
                                                      group=group or None, recost=costing)
         except (QueueFull, QueueTimeout, ShuttingDown, SpendLimitReached) as exc:
-            if costing is not None:
-                costing.left()
             self.state.request_finished()
             account.queue_ms = round((time.monotonic() - asked_at) * 1000)
             if self.trace is not None:
@@ -348,10 +344,11 @@ class SocketRelay:
             await self._refuse(client, exc, account)
             return False
         except BaseException:
-            if costing is not None:
-                costing.left()
             self.state.request_finished()
             raise
+        finally:  # asks no more, granted or not (``taken`` below says so again)
+            if costing is not None:
+                costing.left()
         estimate = None if costing is None else costing.taken(lease)
         self.state.observe_grant(self.provider, lease)
         account.queue_ms, account.key = round(lease.queue_wait * 1000), lease.key
