@@ -212,16 +212,15 @@ class Windowing:
             # the provider's word re-based that went beyond what the provider charged on admission but not
             # beyond the estimate is left so: one call less per OpenAI answer, and one script less with Redis).
             actual: dict[str, float] = {}
-            admitted: dict[str, float] = {}
             changes = False
             for window, rule in self.rules.items():
                 charged = cost.get(window)
                 if charged is not None:
                     actual[window] = spent = actual_for(self.dialect, window, inputs, cached, written, output)
-                    admitted[window] = admitted_for(window, inputs, cached, estimate.asked)
                     if rule != "charge_beyond" or spent > charged:
                         changes = True
             if changes:
+                admitted = {window: admitted_for(window, inputs, cached, estimate.asked) for window in actual}
                 backend.settle_windows(self.provider, lease, actual, self.rules, admitted)
         self._moved(backend, group)
 

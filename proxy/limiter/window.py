@@ -244,6 +244,10 @@ class _Window:
         """When the provider's word last lowered it (``correct_all``, ``hit``): what it said counted the requests
         granted before then as the provider charges them when it admits them, so they settle against that."""
 
+    def rebase(self, at: float) -> None:
+        """The provider's word lowered it, as of ``at`` (only ever later)."""
+        self.rebased_at = max(self.rebased_at, at)
+
 
 class WindowBook:
     """Every window of one provider, created when a request of its (key, group) first meets a limit."""
@@ -466,7 +470,7 @@ class WindowBook:
         if entry is not None:
             entry.hits = hits
             entry.bucket.empty_until(until, now, then)
-            entry.rebased_at = max(entry.rebased_at, now)
+            entry.rebase(now)
 
     def correct_all(self, key: str | None, group: str, remaining: Mapping[str, float], now: float,
                     answered_at: float) -> None:
@@ -485,8 +489,8 @@ class WindowBook:
                 recent = bucket._recent
                 if recent and recent[-1][0] > answered_at:  # sent since it answered
                     announced -= bucket.taken_since(answered_at)
-                if bucket.correct(announced, now, slack) and answered_at > entry.rebased_at:
-                    entry.rebased_at = answered_at
+                if bucket.correct(announced, now, slack):
+                    entry.rebase(answered_at)
 
     # ----- observing -------------------------------------------------------------
 

@@ -441,7 +441,7 @@ for i = 6, #ARGV, 5 do
   local b = bucket_read(pid .. '\n' .. ARGV[i], ARGV[i])
   if b and redis.call('ZSCORE', BASE .. 'wpairs', pid) then
     local charged, rule = tonumber(ARGV[i + 1]), ARGV[i + 3]
-    if ARGV[i + 4] ~= '' and granted_at <= (tonumber(redis.call('HGET', b.hash, 'rebased')) or -math.huge) then
+    if ARGV[i + 4] ~= '' and granted_at <= bucket_rebased_at(b) then
       charged, rule = tonumber(ARGV[i + 4]), 'charge_beyond'
     end
     local beyond = tonumber(ARGV[i + 2]) - charged
@@ -473,9 +473,7 @@ local b = window_of(ARGV[1], ARGV[2], ARGV[3], now)
 if b then
   bucket_empty_until(b, tonumber(ARGV[4]), now, tonumber(ARGV[5]))
   bucket_save(b)
-  if now > (tonumber(redis.call('HGET', b.hash, 'rebased')) or -math.huge) then
-    redis.call('HSET', b.hash, 'rebased', f17(now))
-  end
+  bucket_rebase(b, now)
 end
 return 1
 """
@@ -542,10 +540,7 @@ for i = 4, #ARGV, 3 do
   if b then
     local announced = tonumber(ARGV[i + 1])
     local slack = math.min(tonumber(ARGV[i + 2]), math.max(announced, 0))
-    if bucket_correct(b, announced - bucket_taken_since(b, since), slack, now)
-        and since > (tonumber(redis.call('HGET', b.hash, 'rebased')) or -math.huge) then
-      redis.call('HSET', b.hash, 'rebased', f17(since))
-    end
+    if bucket_correct(b, announced - bucket_taken_since(b, since), slack, now) then bucket_rebase(b, since) end
     bucket_save(b)
   end
 end

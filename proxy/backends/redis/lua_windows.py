@@ -111,6 +111,13 @@ local function bucket_correct(b, remaining, slack, now)
   return false
 end
 
+-- _Window.rebased_at: when the provider's word last lowered the bucket (-inf: never); rebase only moves it later.
+local function bucket_rebased_at(b) return tonumber(redis.call('HGET', b.hash, 'rebased')) or -math.huge end
+
+local function bucket_rebase(b, at)
+  if at > bucket_rebased_at(b) then redis.call('HSET', b.hash, 'rebased', f17(at)) end
+end
+
 local function bucket_taken_since(b, since)
   local total = 0
   for _, entry in ipairs(redis.call('ZRANGEBYSCORE', b.hash .. ':r', '(' .. f17(since), '+inf')) do
