@@ -11,12 +11,13 @@ what the usage shows beyond the estimate, give the reservation back and learn th
 ratio and the output p90. It leaves out what slotproxy also does: the model group,
 the key choice and the queue, the limits learned from headers, the drift and
 re-costing, the estimate errors status shows, the Anthropic prompt-cache mirror.
-It imports nothing of slotproxy: it is a model of the work, not the code.
+It is a model of the work, not the code, but for two pieces it takes from slotproxy as they are: the
+estimator's keeper of recent values and their p90 (``estimate._Recent``), and the collector's settings
+(``heap.settle_heap``).
 
 The count is the difference between two runs of ``--passes`` and twice that, so
-the interpreter's start-up cancels out (both with one hash seed, and importing only
-the standard library); the collector is set as ``slotproxy serve`` sets it
-(``proxy.http.heap.settle_heap``: what is loaded frozen, young passes after 2 000).
+the interpreter's start-up cancels out (both with one hash seed); the collector is set
+as ``slotproxy serve`` sets it (what is loaded frozen, young passes after 2 000).
 
     python bench/windows_floor.py [--passes 2000]
 """
@@ -24,20 +25,19 @@ the standard library); the collector is set as ``slotproxy serve`` sets it
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import re
 import subprocess
 import sys
 import tempfile
-from bisect import bisect_left, insort
-from collections import deque
 from pathlib import Path
+
+from proxy.http.heap import settle_heap
+from proxy.providers.estimate import _Recent
 
 TARGET = 40_000
 """10 µs at 0.23 ns an instruction."""
 _MAX_OUTPUT = re.compile(rb'"max_(?:completion_|output_)?tokens"\s*:\s*(\d{1,9})')
-_RECENT = 100
 _REMAINING = (("tpm", "x-ratelimit-remaining-tokens"), ("rpm", "x-ratelimit-remaining-requests"))
 
 
@@ -48,23 +48,7 @@ class _Bucket:
         self.capacity, self.rate, self.level, self.at, self.reserved = capacity, capacity / 60, capacity, 0.0, 0.0
 
 
-class _Learned:
-    __slots__ = ("ordered", "p90", "values")
-
-    def __init__(self) -> None:
-        self.values: deque[float] = deque()
-        self.ordered: list[float] = []
-        self.p90: float | None = None
-
-    def add(self, value: float) -> None:
-        self.values.append(value)
-        if len(self.values) > _RECENT:
-            del self.ordered[bisect_left(self.ordered, self.values.popleft())]
-        insort(self.ordered, value)
-        self.p90 = self.ordered[(9 * len(self.ordered) + 9) // 10 - 1]
-
-
-def one_request(body: bytes, buckets: dict[str, _Bucket], ratio: _Learned, outputs: _Learned,
+def one_request(body: bytes, buckets: dict[str, _Bucket], ratio: _Recent, outputs: _Recent,
                 headers: dict[str, str], usage: tuple[int, int], now: float) -> bool:
     """Estimate, admit, take, correct from the answer's headers, settle and learn: the least there is."""
     at = body.find(b'"max_')
@@ -97,11 +81,9 @@ def one_request(body: bytes, buckets: dict[str, _Bucket], ratio: _Learned, outpu
 
 
 def run_passes(passes: int, body: bytes) -> None:
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(2000, 10, 100)
+    settle_heap()
     buckets = {"tpm": _Bucket(1e9), "rpm": _Bucket(1e9)}
-    ratio, outputs = _Learned(), _Learned()
+    ratio, outputs = _Recent(), _Recent()
     headers = {"x-ratelimit-remaining-tokens": "999999912", "x-ratelimit-remaining-requests": "99999912"}
     for number in range(passes):
         one_request(body, buckets, ratio, outputs, headers, (12, 1), number * 0.001)
